@@ -1,0 +1,32 @@
+# Set-up and entry points. `make demo` and `make test` create .venv when missing and reuse it afterwards.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.odin-installed
+DEMO_ARGS ?=
+
+.PHONY: install demo test bench clean-venv
+
+install: $(STAMP)
+
+# torch first, alone: on a CPU machine pip takes the local CPU build; everything else is pinned against it so
+# that nothing swaps in the multi-GB CUDA stack. The last step lets PyPI's (CUDA) torchvision import beside a
+# CPU torch (see odin_ns/compat/torchvision_hook.py); it does nothing where torchvision imports as installed.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
+	$(PY) -m odin_ns.compat.install_pth
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/odin-demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VENV)/bin/odin-bench
+
+clean-venv:
+	rm -rf $(VENV)

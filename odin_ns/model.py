@@ -1,0 +1,224 @@
+"""The nerfstudio model seam: splatfacto's Gaussian model, made to run on any device and render through Odin.
+
+`OdinModel` is a `SplatfactoModel` (so `ns-export gaussian-splat`, `ns-viewer`, `ns-eval` and `ns-render` accept it
+unchanged) with three differences from splatfacto:
+- no hard-coded CUDA: tensors follow the model's device, and rendering goes through `odin_ns.render`
+  (gsplat's kernels on CUDA, the PyTorch rasterizer elsewhere);
+- no network at construction: LPIPS is measured only when its AlexNet weights are already on disk;
+- the Gaussians that one step renders come from `gaussians_for_view`, which the distributed pipeline points at
+  the owned blocks plus the replicas of the view's read set; alone, it is the whole model.
+It also records which Gaussians the step touched (`visibility`), for the selective Adam of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Type, Union
+
+import torch
+
+from nerfstudio.cameras.cameras import Cameras
+from nerfstudio.models.splatfacto import (
+    RGB2SH,
+    SplatfactoModel,
+    SplatfactoModelConfig,
+    get_viewmat,
+    num_sh_bases,
+    random_quat_tensor,
+)
+from nerfstudio.utils.rich_utils import CONSOLE
+
+from odin_ns.render import rasterization
+
+GAUSSIAN_PARAMS = ("means", "scales", "quats", "features_dc", "features_rest", "opacities")
+
+
+@dataclass
+class OdinModelConfig(SplatfactoModelConfig):
+    """Splatfacto's configuration; every splatfacto option (`--pipeline.model.*`) keeps its meaning."""
+
+    _target: Type = field(default_factory=lambda: OdinModel)
+
+
+def lpips_weights_available() -> bool:
+    """True when torchvision's AlexNet weights (what LPIPS builds on) are already in the torch hub cache."""
+    checkpoints = os.path.join(torch.hub.get_dir(), "checkpoints")
+    return os.path.isdir(checkpoints) and any(name.startswith("alexnet") for name in os.listdir(checkpoints))
+
+
+class OdinModel(SplatfactoModel):
+    """Splatfacto on any device, with the Gaussians of a step chosen by the pipeline."""
+
+    config: OdinModelConfig
+
+    def populate_modules(self):
+        """Splatfacto's `populate_modules` without its `.cuda()` on the seed colours and its LPIPS download."""
+        if self.seed_points is not None and not self.config.random_init:
+            means = torch.nn.Parameter(self.seed_points[0].float())
+        else:
+            means = torch.nn.Parameter((torch.rand((self.config.num_random, 3)) - 0.5) * self.config.random_scale)
+        distances, _ = self.k_nearest_sklearn(means.data, 3)
+        avg_dist = torch.from_numpy(distances).mean(dim=-1, keepdim=True)
+        scales = torch.nn.Parameter(torch.log(avg_dist.repeat(1, 3)))
+        num_points = means.shape[0]
+        quats = torch.nn.Parameter(random_quat_tensor(num_points))
+        dim_sh = num_sh_bases(self.config.sh_degree)
+        if self.seed_points is not None and not self.config.random_init and self.seed_points[1].shape[0] > 0:
+            shs = torch.zeros((self.seed_points[1].shape[0], dim_sh, 3)).float()
+            seed_rgb = self.seed_points[1].float() / 255
+            if self.config.sh_degree > 0:
+                shs[:, 0, :3] = RGB2SH(seed_rgb)
+            else:
+                CONSOLE.log("use color only optimization with sigmoid activation")
+                shs[:, 0, :3] = torch.logit(seed_rgb, eps=1e-10)
+            features_dc = torch.nn.Parameter(shs[:, 0, :])
+            features_rest = torch.nn.Parameter(shs[:, 1:, :])
+        else:
+            features_dc = torch.nn.Parameter(torch.rand(num_points, 3))
+            features_rest = torch.nn.Parameter(torch.zeros((num_points, dim_sh - 1, 3)))
+        opacities = torch.nn.Parameter(torch.logit(0.1 * torch.ones(num_points, 1)))
+        gauss_params = dict(means=means, scales=scales, quats=quats, features_dc=features_dc,
+                            features_rest=features_rest, opacities=opacities)
+
+        self._populate_common()
+        self.gauss_params = torch.nn.ParameterDict(gauss_params)
+        self.visibility: Optional[torch.Tensor] = None
+
+    def _populate_common(self) -> None:
+        """The rest of splatfacto's set-up (metrics, background, densification strategy), minus LPIPS's download."""
+        from pytorch_msssim import SSIM
+        from torchmetrics.image import PeakSignalNoiseRatio
+
+        from gsplat.strategy import DefaultStrategy
+        from nerfstudio.model_components.lib_bilagrid import BilateralGrid
+        from nerfstudio.utils.colors import get_color
+
+        self.camera_optimizer = self.config.camera_optimizer.setup(num_cameras=self.num_train_data, device="cpu")
+        self.psnr = PeakSignalNoiseRatio(data_range=1.0)
+        self.ssim = SSIM(data_range=1.0, size_average=True, channel=3)
+        self.lpips = None
+        if lpips_weights_available():
+            from torchmetrics.image.lpip import LearnedPerceptualImagePatchSimilarity
+
+            self.lpips = LearnedPerceptualImagePatchSimilarity(normalize=True)
+        self.step = 0
+        self.crop_box = None
+        if self.config.background_color == "random":
+            self.background_color = torch.tensor([0.1490, 0.1647, 0.2157])  # viser's background, as splatfacto
+        else:
+            self.background_color = get_color(self.config.background_color)
+        if self.config.use_bilateral_grid:
+            self.bil_grids = BilateralGrid(num=self.num_train_data, grid_X=self.config.grid_shape[0],
+                                           grid_Y=self.config.grid_shape[1], grid_W=self.config.grid_shape[2])
+        self.strategy = DefaultStrategy(
+            prune_opa=self.config.cull_alpha_thresh,
+            grow_grad2d=self.config.densify_grad_thresh,
+            grow_scale3d=self.config.densify_size_thresh,
+            grow_scale2d=self.config.split_screen_size,
+            prune_scale3d=self.config.cull_scale_thresh,
+            prune_scale2d=self.config.cull_screen_size,
+            refine_scale2d_stop_iter=self.config.stop_screen_size_at,
+            refine_start_iter=self.config.warmup_length,
+            refine_stop_iter=self.config.stop_split_at,
+            reset_every=self.config.reset_alpha_every * self.config.refine_every,
+            refine_every=self.config.refine_every,
+            pause_refine_after_reset=self.num_train_data + self.config.refine_every,
+            absgrad=self.config.use_absgrad,
+            revised_opacity=False,
+            verbose=True,
+        )
+        self.strategy_state = self.strategy.initialize_state(scene_scale=1.0)
+
+    # ---- what one step renders -------------------------------------------------------------------------------
+
+    def gaussians_for_view(self, camera: Cameras) -> Dict[str, torch.Tensor]:
+        """The Gaussian parameters a view renders. Alone: the whole model; the distributed pipeline overrides it."""
+        return {name: self.gauss_params[name] for name in GAUSSIAN_PARAMS}
+
+    def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, list]]:
+        """Splatfacto's `get_outputs`, device-agnostic and rendering through `odin_ns.render`."""
+        if not isinstance(camera, Cameras):
+            print("Called get_outputs with not a camera")
+            return {}
+        if self.training:
+            assert camera.shape[0] == 1, "Only one camera at a time"
+            optimized_camera_to_world = self.camera_optimizer.apply_to_camera(camera)
+        else:
+            optimized_camera_to_world = camera.camera_to_worlds
+
+        params = self.gaussians_for_view(camera)
+        crop_ids = None
+        if self.crop_box is not None and not self.training:
+            crop_ids = self.crop_box.within(params["means"]).squeeze()
+            if crop_ids.sum() == 0:
+                return self.get_empty_outputs(int(camera.width.item()), int(camera.height.item()),
+                                              self.background_color)
+        if crop_ids is not None:
+            params = {name: value[crop_ids] for name, value in params.items()}
+        colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)
+
+        camera_scale_fac = self._get_downscale_factor()
+        camera.rescale_output_resolution(1 / camera_scale_fac)
+        viewmat = get_viewmat(optimized_camera_to_world)
+        K = camera.get_intrinsics_matrices().to(self.device)
+        W, H = int(camera.width.item()), int(camera.height.item())
+        self.last_size = (H, W)
+        camera.rescale_output_resolution(camera_scale_fac)  # type: ignore
+
+        if self.config.rasterize_mode not in ["antialiased", "classic"]:
+            raise ValueError(f"Unknown rasterize_mode: {self.config.rasterize_mode}")
+        render_mode = "RGB+ED" if self.config.output_depth_during_training or not self.training else "RGB"
+        if self.config.sh_degree > 0:
+            sh_degree_to_use = min(self.step // self.config.sh_degree_interval, self.config.sh_degree)
+        else:
+            colors = torch.sigmoid(colors).squeeze(1)
+            sh_degree_to_use = None
+
+        render, alpha, self.info = rasterization(
+            means=params["means"],
+            quats=params["quats"],
+            scales=torch.exp(params["scales"]),
+            opacities=torch.sigmoid(params["opacities"]).squeeze(-1),
+            colors=colors,
+            viewmats=viewmat.to(self.device),
+            Ks=K,
+            width=W,
+            height=H,
+            packed=False,
+            near_plane=0.01,
+            far_plane=1e10,
+            render_mode=render_mode,
+            sh_degree=sh_degree_to_use,
+            sparse_grad=False,
+            absgrad=self.strategy.absgrad,
+            rasterize_mode=self.config.rasterize_mode,
+        )
+        if self.training:
+            self.visibility = (self.info["radii"] > 0).any(dim=0)
+            self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step,
+                                            self.info)
+        background = self._get_background_color()
+        rgb = torch.clamp(render[:, ..., :3] + (1 - alpha) * background, 0.0, 1.0)
+        if self.config.use_bilateral_grid and self.training:
+            if camera.metadata is not None and "cam_idx" in camera.metadata:
+                rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], H, W)
+        depth_im = None
+        if render_mode == "RGB+ED":
+            depth_im = render[:, ..., 3:4]
+            depth_im = torch.where(alpha > 0, depth_im, depth_im.detach().max()).squeeze(0)
+        if background.shape[0] == 3 and not self.training:
+            background = background.expand(H, W, 3)
+        return {"rgb": rgb.squeeze(0), "depth": depth_im, "accumulation": alpha.squeeze(0), "background": background}
+
+    def get_image_metrics_and_images(self, outputs, batch):
+        """Splatfacto's metrics; LPIPS only when its weights were available locally (see `lpips_weights_available`)."""
+        if self.lpips is not None:
+            return super().get_image_metrics_and_images(outputs, batch)
+        gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
+        predicted_rgb = outputs["rgb"]
+        combined_rgb = torch.cat([gt_rgb, predicted_rgb], dim=1)
+        gt = torch.moveaxis(gt_rgb, -1, 0)[None, ...]
+        pred = torch.moveaxis(predicted_rgb, -1, 0)[None, ...]
+        metrics = {"psnr": float(self.psnr(gt, pred).item()), "ssim": float(self.ssim(gt, pred))}
+        return metrics, {"img": combined_rgb}

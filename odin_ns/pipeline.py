@@ -1,0 +1,66 @@
+"""The nerfstudio Pipeline seam: a VanillaPipeline that never wraps the model in DDP.
+
+DDP cannot follow densification (the parameter set changes size), so Odin keeps the model bare and moves
+primitive state itself around each step. Alone (one rank) this pipeline is nerfstudio's VanillaPipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Type
+
+from torch.cuda.amp.grad_scaler import GradScaler
+
+from nerfstudio.pipelines.base_pipeline import Pipeline, VanillaPipeline, VanillaPipelineConfig
+
+from odin_ns.datamanager import OdinDataManagerConfig
+from odin_ns.model import OdinModelConfig
+
+
+@dataclass
+class OdinPipelineConfig(VanillaPipelineConfig):
+    """VanillaPipeline's options with the odin datamanager and model."""
+
+    _target: Type = field(default_factory=lambda: OdinPipeline)
+    datamanager: OdinDataManagerConfig = field(default_factory=OdinDataManagerConfig)
+    model: OdinModelConfig = field(default_factory=OdinModelConfig)
+    policy: Literal["quality", "throughput", "barrier"] = "quality"
+    """Synchronization across ranks: quality-first (odin), throughput-first, or a global barrier every step."""
+
+
+class OdinPipeline(VanillaPipeline):
+    """VanillaPipeline without DDP: the datamanager, then the model seeded from the dataset's points."""
+
+    config: OdinPipelineConfig
+
+    def __init__(
+        self,
+        config: OdinPipelineConfig,
+        device: str,
+        test_mode: Literal["test", "val", "inference"] = "val",
+        world_size: int = 1,
+        local_rank: int = 0,
+        grad_scaler: Optional[GradScaler] = None,
+    ):
+        Pipeline.__init__(self)
+        self.config = config
+        self.test_mode = test_mode
+        self.world_size = world_size
+        self.datamanager = config.datamanager.setup(
+            device=device, test_mode=test_mode, world_size=world_size, local_rank=local_rank
+        )
+        metadata = getattr(self.datamanager, "train_dataparser_outputs", None)
+        metadata = metadata.metadata if metadata is not None else {}
+        seed_points = None
+        if "points3D_xyz" in metadata:
+            seed_points = (metadata["points3D_xyz"], metadata["points3D_rgb"])
+        self.datamanager.to(device)
+        self._model = config.model.setup(
+            scene_box=self.datamanager.train_dataset.scene_box,
+            num_train_data=len(self.datamanager.train_dataset),
+            metadata=self.datamanager.train_dataset.metadata,
+            device=device,
+            grad_scaler=grad_scaler,
+            seed_points=seed_points,
+        )
+        self.model.to(device)
