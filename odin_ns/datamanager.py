@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Type
+from typing import Dict, List, Literal, Tuple, Type
 
 import torch
 
+from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanager, FullImageDatamanagerConfig
 from nerfstudio.data.dataparsers.base_dataparser import DataParserConfig
 
@@ -50,6 +51,20 @@ class OdinDataManager(FullImageDatamanager):
         except _DATA_ERRORS as exc:
             where = config.data if config.data is not None else "the built-in scene"
             raise OdinInputError(f"cannot read the dataset at {where}: {type(exc).__name__}: {exc}") from exc
+
+    def train_view(self, index: int) -> Tuple[Cameras, Dict[str, torch.Tensor]]:
+        """Camera and batch of training view `index`, as nerfstudio's `next_train` builds them.
+
+        The odin engine asks for views by index, in the order of its schedule (each rank its own views), instead
+        of drawing them from nerfstudio's per-process random order.
+        """
+        data = dict(self.cached_train[index])
+        data["image"] = data["image"].to(self.device)
+        camera = self.train_cameras[index:index + 1].to(self.device)
+        if camera.metadata is None:
+            camera.metadata = {}
+        camera.metadata["cam_idx"] = index
+        return camera, data
 
     def _load_images(self, split, cache_images_device) -> List[Dict[str, torch.Tensor]]:
         try:

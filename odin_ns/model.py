@@ -7,7 +7,7 @@ unchanged) with three differences from splatfacto:
 - no network at construction: LPIPS is measured only when its AlexNet weights are already on disk;
 - the Gaussians that one step renders come from `gaussians_for_view`, which the distributed pipeline points at
   the owned blocks plus the replicas of the view's read set; alone, it is the whole model.
-It also records which Gaussians the step touched (`visibility`), for the selective Adam of DESIGN.md.
+Training steps are run by `odin_ns.runtime.engine.OdinEngine` (sharding, selective Adam, block-wise densification).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Dict, Optional, Type, Union
 import torch
 
 from nerfstudio.cameras.cameras import Cameras
+from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
 from nerfstudio.models.splatfacto import (
     RGB2SH,
     SplatfactoModel,
@@ -83,7 +84,10 @@ class OdinModel(SplatfactoModel):
 
         self._populate_common()
         self.gauss_params = torch.nn.ParameterDict(gauss_params)
-        self.visibility: Optional[torch.Tensor] = None
+        self.engine = None  # the distributed engine (odin_ns.runtime.engine), attached by the pipeline for training
+        self.render_params: Optional[Dict[str, torch.Tensor]] = None  # set by the engine around a training view
+        self.full_snapshot: Optional[Dict[str, torch.Tensor]] = None  # the whole model, on rank 0 of several
+        self.training_background: Optional[torch.Tensor] = None
 
     def _populate_common(self) -> None:
         """The rest of splatfacto's set-up (metrics, background, densification strategy), minus LPIPS's download."""
@@ -133,8 +137,26 @@ class OdinModel(SplatfactoModel):
     # ---- what one step renders -------------------------------------------------------------------------------
 
     def gaussians_for_view(self, camera: Cameras) -> Dict[str, torch.Tensor]:
-        """The Gaussian parameters a view renders. Alone: the whole model; the distributed pipeline overrides it."""
+        """The Gaussian parameters a view renders.
+
+        In training, the engine's leaves for the view's read set; outside training on one of several ranks, the
+        last gathered snapshot of the whole model; otherwise this process's Parameters (the whole model alone).
+        """
+        if self.training and self.render_params is not None:
+            return self.render_params
+        if not self.training and self.full_snapshot is not None:
+            return self.full_snapshot
         return {name: self.gauss_params[name] for name in GAUSSIAN_PARAMS}
+
+    def get_training_callbacks(self, training_callback_attributes):
+        """Only splatfacto's step bookkeeping: densification runs in the engine, block by block, at phase ends."""
+        return [TrainingCallback([TrainingCallbackLocation.BEFORE_TRAIN_ITERATION], self.step_cb,
+                                 args=[training_callback_attributes.optimizers])]
+
+    def _get_background_color(self):
+        if self.training and self.config.background_color == "random" and self.training_background is not None:
+            return self.training_background
+        return super()._get_background_color()
 
     def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, list]]:
         """Splatfacto's `get_outputs`, device-agnostic and rendering through `odin_ns.render`."""
@@ -195,7 +217,6 @@ class OdinModel(SplatfactoModel):
             rasterize_mode=self.config.rasterize_mode,
         )
         if self.training:
-            self.visibility = (self.info["radii"] > 0).any(dim=0)
             self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step,
                                             self.info)
         background = self._get_background_color()

@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Type
 
+import torch
 from torch.cuda.amp.grad_scaler import GradScaler
 
 from nerfstudio.pipelines.base_pipeline import Pipeline, VanillaPipeline, VanillaPipelineConfig
 
 from odin_ns.datamanager import OdinDataManagerConfig
 from odin_ns.model import OdinModelConfig
+from odin_ns.runtime.dist_env import init_distributed
+from odin_ns.runtime.engine import OdinEngine
 
 
 @dataclass
@@ -26,6 +29,14 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     model: OdinModelConfig = field(default_factory=OdinModelConfig)
     policy: Literal["quality", "throughput", "barrier"] = "quality"
     """Synchronization across ranks: quality-first (odin), throughput-first, or a global barrier every step."""
+    block_size: int = 2048
+    """Gaussians per block: the unit of ownership, versioning and transfer (Morton order runs)."""
+    micro_batch: int = 1
+    """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
+    dist_timeout_s: float = 120.0
+    """Seconds a rank waits on its peers before it gives up (a dead or mismatched rank)."""
+    seed: int = 42
+    """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
 
 
 class OdinPipeline(VanillaPipeline):
@@ -55,6 +66,8 @@ class OdinPipeline(VanillaPipeline):
         if "points3D_xyz" in metadata:
             seed_points = (metadata["points3D_xyz"], metadata["points3D_rgb"])
         self.datamanager.to(device)
+        seed = config.seed
+        torch.manual_seed(seed)  # the initial model must be identical on every rank (nerfstudio seeds by rank)
         self._model = config.model.setup(
             scene_box=self.datamanager.train_dataset.scene_box,
             num_train_data=len(self.datamanager.train_dataset),
@@ -64,3 +77,9 @@ class OdinPipeline(VanillaPipeline):
             seed_points=seed_points,
         )
         self.model.to(device)
+        self.engine = None
+        if test_mode == "val":  # training (nerfstudio's evaluation tools construct pipelines in test/inference)
+            env = init_distributed(device.split(":")[0] if isinstance(device, str) else device.type,
+                                   config.dist_timeout_s)
+            self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
+                                     seed)

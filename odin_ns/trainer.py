@@ -7,14 +7,20 @@ deep inside the model.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Type
 
 import torch
 
 from nerfstudio.engine.trainer import Trainer, TrainerConfig
+from nerfstudio.utils.misc import step_check
 
+from odin_ns.checkpoint import write_full_checkpoint
 from odin_ns.errors import OdinInputError
+from odin_ns.pipeline import OdinPipeline
+from odin_ns.runtime.dist_env import init_distributed
+from odin_ns.runtime.stats_file import write_stats
 
 
 def default_device_type() -> str:
@@ -39,8 +45,72 @@ class OdinTrainerConfig(TrainerConfig):
 
 
 class OdinTrainer(Trainer):
-    """nerfstudio's Trainer, checking the device before it allocates anything."""
+    """nerfstudio's Trainer whose iterations are run by the odin engine, on one rank or several.
+
+    nerfstudio's loop stays in charge of logging, evaluation, checkpoints and the viewer; what changes:
+    - `train_iteration`: one step of the engine (render the rank's views, route gradients to owners, selective
+      Adam, barrier, phase boundary);
+    - evaluation, checkpoints and the viewer need the whole model: every rank takes part in a gather to rank 0,
+      which then evaluates / writes a plain splatfacto checkpoint / refreshes what the viewer shows.
+    """
+
+    pipeline: OdinPipeline
 
     def __init__(self, config: OdinTrainerConfig, local_rank: int = 0, world_size: int = 1) -> None:
         check_device(config.machine.device_type)
+        config.pipeline.seed = config.machine.seed
+        env = init_distributed(config.machine.device_type, config.pipeline.dist_timeout_s)
+        if env.distributed:
+            local_rank, world_size = env.local_rank, env.world_size
         super().__init__(config, local_rank, world_size)
+        self.env = env
+
+    @property
+    def engine(self):
+        return self.pipeline.engine
+
+    def train(self) -> None:
+        self._started = time.perf_counter()
+        super().train()
+
+    def _after_train(self) -> None:
+        super()._after_train()
+        self.write_stats()
+
+    def write_stats(self):
+        """odin_stats.json beside the run's outputs (every rank takes part; rank 0 writes)."""
+        meta = {"method": self.config.method_name, "policy": self.config.pipeline.policy,
+                "micro_batch": self.config.pipeline.micro_batch, "block_size": self.config.pipeline.block_size}
+        wall = time.perf_counter() - getattr(self, "_started", time.perf_counter())
+        return write_stats(self.engine.log, self.env.world_size, wall, self.base_dir, meta)
+
+    def train_iteration(self, step: int):
+        self.optimizers.zero_grad_all()
+        return self.engine.train_step(step, self.optimizers)
+
+    def _needs_full_model(self, step: int) -> bool:
+        c = self.config
+        return any(every and step_check(step, every) for every in
+                   (c.steps_per_eval_image, c.steps_per_eval_batch, c.steps_per_eval_all_images))
+
+    def eval_iteration(self, step: int) -> None:
+        if self.env.distributed:
+            if not self._needs_full_model(step):
+                return
+            snapshot = self.engine.gather_full()
+            if self.env.rank != 0:
+                return
+            self.pipeline.model.full_snapshot = snapshot
+        super().eval_iteration(step)
+
+    def save_checkpoint(self, step: int) -> None:
+        """Write a plain splatfacto checkpoint of the whole model on rank 0 (every rank takes part in the gather)."""
+        if not self.env.distributed:
+            if self.env.rank == 0:
+                super().save_checkpoint(step)
+            return
+        full = self.engine.gather_full()
+        states = self.engine.gather_optimizer_states(self.optimizers)
+        if self.env.rank != 0:
+            return
+        write_full_checkpoint(self, step, full, states)

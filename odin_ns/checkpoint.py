@@ -1,0 +1,52 @@
+"""Checkpoints of a sharded model that nerfstudio's own tools open unchanged.
+
+Rank 0 writes what `Trainer.save_checkpoint` writes for plain splatfacto (`step`, `pipeline`, `optimizers`,
+`schedulers`, `scalers`), with the Gaussian parameters and their Adam moments replaced by the whole model's,
+gathered from the owners in block order. The file is written beside its final name and renamed into place, so a
+rank that dies mid-save never leaves a torn checkpoint: the last complete one stays loadable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from odin_ns.runtime.sharded import PARAM_NAMES
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
+                          moments: Dict[str, Dict[str, torch.Tensor]]) -> Path:
+    """Rank 0: the checkpoint of the whole model (`full` params, `moments[name][key]` optimizer state)."""
+    trainer.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    pipeline_state = trainer.pipeline.state_dict()
+    for name in PARAM_NAMES:
+        pipeline_state[f"_model.gauss_params.{name}"] = full[name]
+    optimizers = {}
+    for group, optimizer in trainer.optimizers.optimizers.items():
+        state = optimizer.state_dict()
+        if group in moments:
+            for key, value in moments[group].items():
+                state["state"].setdefault(0, {})[key] = value
+        optimizers[group] = state
+    path = trainer.checkpoint_dir / f"step-{step:09d}.ckpt"
+    atomic_save({
+        "step": step,
+        "pipeline": pipeline_state,
+        "optimizers": optimizers,
+        "schedulers": {k: v.state_dict() for k, v in trainer.optimizers.schedulers.items()},
+        "scalers": trainer.grad_scaler.state_dict(),
+    }, path)
+    if trainer.config.save_only_latest_checkpoint:
+        for old in trainer.checkpoint_dir.glob("*.ckpt"):
+            if old != path:
+                old.unlink()
+    return path

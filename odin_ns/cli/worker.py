@@ -1,0 +1,72 @@
+"""One rank of a distributed odin training: `python -m odin_ns.cli.worker METHOD [ns-train arguments]`.
+
+torchrun starts one of these per rank (`odin-train` does it for you). It parses the same arguments as
+`ns-train`, joins the process group from torchrun's environment, checks that every rank got the same
+configuration, and runs nerfstudio's training loop with the odin trainer. Only rank 0 writes outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from typing import List, Optional
+
+import torch.distributed as dist
+import tyro
+import yaml
+
+from nerfstudio.configs.method_configs import AnnotatedBaseConfigUnion
+from nerfstudio.utils.rich_utils import CONSOLE
+
+from odin_ns.errors import OdinInputError
+from odin_ns.runtime.dist_env import init_distributed
+from odin_ns.trainer import OdinTrainerConfig, check_device
+
+
+def config_fingerprint(config) -> str:
+    """A hash of the configuration as nerfstudio saves it, minus what legitimately differs between ranks."""
+    text = yaml.dump(config)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_same_config(config, rank: int, world_size: int) -> None:
+    fingerprints: List[Optional[str]] = [None] * world_size
+    dist.all_gather_object(fingerprints, config_fingerprint(config))
+    odd = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+    if odd:
+        raise OdinInputError(f"ranks {odd} were started with a configuration different from rank 0's "
+                             "(every rank must get the same arguments)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    config = tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+    if not isinstance(config, OdinTrainerConfig):
+        raise OdinInputError(f"method {config.method_name!r} is not an odin method: use odin, odin-throughput "
+                             "or odin-barrier (other nerfstudio methods train with ns-train)")
+    if config.data:
+        config.pipeline.datamanager.data = config.data
+    timestamp = os.environ.get("ODIN_TIMESTAMP")
+    if timestamp:
+        config.timestamp = timestamp  # one output folder for all ranks
+    check_device(config.machine.device_type)
+    env = init_distributed(config.machine.device_type, config.pipeline.dist_timeout_s)
+    config.set_timestamp()
+    if env.distributed:
+        check_same_config(config, env.rank, env.world_size)
+    if env.rank == 0:
+        config.print_to_terminal()
+        config.save_config()
+        CONSOLE.log(f"odin: {env.world_size} rank(s), backend {env.backend}")
+    trainer = config.setup(local_rank=env.local_rank, world_size=env.world_size)
+    trainer.setup()
+    trainer.train()
+    if env.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Forward+backward timing of the CPU rasterizer (a benchmark, not a test).
+
+    python -m odin_ns.render.bench                 # the three reference sizes, 2 threads
+    python -m odin_ns.render.bench --sizes 50000x256x256 --repeats 5 --profile
+
+The scene is meant to look like a training view: one camera, Gaussians spread through the frustum (depth 2-10,
+about 5% outside the image), projected sizes log-uniform so a splat's 3-sigma footprint spans from a few
+pixels to a few tens of pixels, mildly anisotropic with random rotations, opacities uniform in [0.1, 0.9],
+SH degree 3 with DC colors in range, RGB render with a loss that touches every pixel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+from .cpu import rasterization_cpu
+
+DEFAULT_SIZES = ("2000x128x128", "10000x256x256", "50000x256x256")
+PROTOTYPE_S = {"2000x128x128": 0.08, "10000x256x256": 0.67, "50000x256x256": 2.6}
+
+
+def make_scene(n: int, width: int, height: int, seed: int = 0, sh_degree: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    f = 0.8 * width
+    z = 2.0 + 8.0 * torch.rand(n, generator=g)
+    x = (torch.rand(n, generator=g) * 2 - 1) * z * (width / 2 / f) * 1.05
+    y = (torch.rand(n, generator=g) * 2 - 1) * z * (height / 2 / f) * 1.05
+    means = torch.stack([x, y, z], 1)
+    sigma_px = torch.exp(math.log(0.5) + torch.rand(n, generator=g) * math.log(10.0))  # 0.5 .. 5 px
+    scales = (sigma_px * z / f)[:, None] * torch.exp(0.4 * (torch.rand(n, 3, generator=g) - 0.5) * 2)
+    quats = torch.randn(n, 4, generator=g)
+    opacities = 0.1 + 0.8 * torch.rand(n, generator=g)
+    K = (sh_degree + 1) ** 2
+    sh = torch.randn(n, K, 3, generator=g) * 0.1
+    sh[:, 0] = (torch.rand(n, 3, generator=g) - 0.5) / 0.28209479177387814
+    viewmats = torch.eye(4)[None]
+    Ks = torch.tensor([[f, 0.0, width / 2], [0.0, f, height / 2], [0.0, 0.0, 1.0]])[None]
+    target = torch.rand(1, height, width, 3, generator=g)
+    return dict(means=means, quats=quats, scales=scales, opacities=opacities, colors=sh, viewmats=viewmats,
+                Ks=Ks, width=width, height=height, sh_degree=sh_degree, target=target)
+
+
+def fwd_bwd(scene, **kw) -> float:
+    params = {k: scene[k].clone().requires_grad_() for k in ("means", "quats", "scales", "opacities", "colors")}
+    t0 = time.perf_counter()
+    rc, ra, meta = rasterization_cpu(
+        params["means"], params["quats"], params["scales"], params["opacities"], params["colors"],
+        scene["viewmats"], scene["Ks"], scene["width"], scene["height"], sh_degree=scene["sh_degree"],
+        packed=False, **kw,
+    )
+    meta["means2d"].retain_grad()
+    loss = (rc - scene["target"]).abs().mean() + ra.mean()
+    loss.backward()
+    return time.perf_counter() - t0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="NxWxH, e.g. 50000x256x256")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--absgrad", action="store_true")
+    ap.add_argument("--subtile", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per size")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kw = {"absgrad": args.absgrad}
+    if args.subtile:
+        kw["subtile"] = args.subtile
+    if args.batch:
+        kw["batch"] = args.batch
+
+    rows = []
+    for size in args.sizes:
+        n, w, h = (int(v) for v in size.split("x"))
+        scene = make_scene(n, w, h)
+        fwd_bwd(scene, **kw)  # warm-up
+        times = [fwd_bwd(scene, **kw) for _ in range(args.repeats)]
+        med = statistics.median(times)
+        rows.append(dict(size=size, n=n, width=w, height=h, median_s=med, min_s=min(times), max_s=max(times),
+                         prototype_s=PROTOTYPE_S.get(size)))
+        if args.profile:
+            from torch.profiler import profile
+
+            with profile() as prof:
+                fwd_bwd(scene, **kw)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"odin_ns.render CPU rasterizer, forward+backward, {args.threads} threads")
+        for col in ("Gaussians", "image", "median s", "min s", "max s", "prototype s", "speed-up", "goal s"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            proto = r["prototype_s"]
+            table.add_row(
+                f"{r['n']:,}", f"{r['width']}x{r['height']}", f"{r['median_s']:.3f}", f"{r['min_s']:.3f}",
+                f"{r['max_s']:.3f}", f"{proto:.2f}" if proto else "-",
+                f"{proto / r['median_s']:.1f}x" if proto else "-", f"{proto / 2:.3f}" if proto else "-",
+            )
+        Console().print(table)
+    except ImportError:  # rich is a nerfstudio dependency; plain text otherwise
+        for r in rows:
+            print(r)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Run-time of distributed training: process group, transport, block versions, policies, wait accounting."""

@@ -1,0 +1,77 @@
+"""The block table: what every rank knows about every block (owner, size, bounds, version).
+
+It is small (a few numbers per block) and replicated: each rank holds the same table, updated from the same
+messages, so every rank can derive the whole communication plan of a step (who reads what, who sends what to
+whom) without asking. Only owners change a block's row; `sync` spreads the owners' rows to everyone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from odin_ns.runtime.transport import all_gather_rows
+from odin_ns.runtime.waits import WaitLog
+
+_SYNC_WIDTH = 9  # version, count, lo xyz, hi xyz, max_scale
+
+
+@dataclass
+class BlockTable:
+    """Per block b: owner[b], count[b] Gaussians, the AABB lo/hi of its means, its largest scale, its version."""
+
+    owner: torch.Tensor  # [B] int64
+    count: torch.Tensor  # [B] int64
+    lo: torch.Tensor  # [B, 3] float32
+    hi: torch.Tensor  # [B, 3] float32
+    max_scale: torch.Tensor  # [B] float32 (standard deviation, world units)
+    version: torch.Tensor  # [B] int64
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.owner.shape[0])
+
+    def owned(self, rank: int) -> torch.Tensor:
+        """Ascending ids of the blocks `rank` owns."""
+        return torch.nonzero(self.owner == rank).flatten()
+
+    def owned_ranges(self, rank: int) -> Dict[int, Tuple[int, int]]:
+        """Block id -> (start, stop) rows in the rank's owned tensors (owned blocks concatenated in id order)."""
+        ranges, start = {}, 0
+        for b in self.owned(rank).tolist():
+            n = int(self.count[b])
+            ranges[b] = (start, start + n)
+            start += n
+        return ranges
+
+    def num_owned_gaussians(self, rank: int) -> int:
+        return int(self.count[self.owner == rank].sum())
+
+    def update_owned(self, rank: int, count: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                     max_scale: torch.Tensor, bumped: torch.Tensor) -> None:
+        """Write this rank's rows: new sizes and bounds; versions of `bumped` (bool, per owned block) + 1."""
+        ids = self.owned(rank)
+        self.count[ids] = count.to(torch.int64)
+        self.lo[ids], self.hi[ids], self.max_scale[ids] = lo, hi, max_scale
+        self.version[ids] += bumped.to(torch.int64)
+
+    def sync(self, rank: int, world_size: int, log: WaitLog, cause: str) -> None:
+        """Every rank sends its owned rows and takes everyone else's (an all-gather: a global barrier)."""
+        per_rank = [int((self.owner == r).sum()) for r in range(world_size)]
+        ids = self.owned(rank)
+        rows = torch.cat([
+            self.version[ids, None].double(), self.count[ids, None].double(), self.lo[ids].double(),
+            self.hi[ids].double(), self.max_scale[ids, None].double(),
+        ], dim=1) if len(ids) else torch.zeros((0, _SYNC_WIDTH), dtype=torch.float64)
+        gathered: List[torch.Tensor] = all_gather_rows(rows, per_rank, log, cause)
+        for r, got in enumerate(gathered):
+            if r == rank or got.shape[0] == 0:
+                continue
+            theirs = self.owned(r)
+            self.version[theirs] = got[:, 0].round().to(torch.int64)
+            self.count[theirs] = got[:, 1].round().to(torch.int64)
+            self.lo[theirs] = got[:, 2:5].float()
+            self.hi[theirs] = got[:, 5:8].float()
+            self.max_scale[theirs] = got[:, 8].float()

@@ -1,0 +1,84 @@
+"""Join or start the process group that the ranks of one training share.
+
+Three ways in, one result (`DistEnv`):
+- nerfstudio's launcher (`ns-train odin --machine.num-devices N`) has already initialized torch.distributed;
+- torchrun (`odin-train`, or `torchrun -m odin_ns.cli.worker`) leaves RANK/WORLD_SIZE/MASTER_ADDR in the
+  environment, and the group is initialized here (gloo on CPU, NCCL on CUDA) with a bounded timeout;
+- neither: one rank, no process group.
+A rank also dies with its launcher (PR_SET_PDEATHSIG): torchrun does not stop its workers when it is killed itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from odin_ns.errors import OdinInputError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = "none"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the launcher) dies; no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def install_termination_message(rank: int) -> None:
+    """On SIGTERM (torchrun tearing the job down after a failure elsewhere), say so in one line and exit."""
+
+    def _on_term(signum, frame):  # noqa: ARG001 (signal handler signature)
+        sys.stderr.write(f"odin: rank {rank}: stopped by the launcher (another rank failed or the job was "
+                         "interrupted); see the launcher's message for the failed rank\n")
+        sys.stderr.flush()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, _on_term)
+
+
+def init_distributed(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
+    """Join the existing process group, or start one from torchrun's environment, or run alone."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)), str(dist.get_backend()))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistEnv()
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise OdinInputError(f"WORLD_SIZE={world} but {key} is not set: launch ranks with `odin-train --ranks "
+                                 f"{world} ...` or torchrun")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    die_with_parent()
+    install_termination_message(rank)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return DistEnv(rank, world, local_rank, backend)

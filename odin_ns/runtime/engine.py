@@ -1,0 +1,318 @@
+"""One training step across ranks: the synchronous reference of DESIGN.md, run on sharded Gaussians.
+
+Step t, on every rank r (one rank is the same with no peers):
+1. plan: every rank's views of step t (the schedule) and their read sets (blocks whose bounds meet the view's
+   frustum, from the replicated block table), the same on every rank;
+2. fetch (validate): owners send the remote blocks each reader lacks at their current version;
+3. compute: render each of this rank's views from its read set, loss, backward into per-view leaves;
+4. transfer (publish gradients): each view's gradients and densification statistics go to the blocks' owners;
+5. update: owners sum contributions in (rank, view) order, apply selective Adam to the Gaussians some view of the
+   step touched, bump those blocks' versions and bounds;
+6. barrier: the owners' table rows are all-gathered (the global synchronization of `odin-barrier`);
+7. phase boundary (refine steps): owners densify/prune their blocks (`scene.block_refine`), the table is synced.
+The result does not depend on how many ranks share the global batch: N ranks with one view each equal one rank
+with a micro-batch of N views, parameter for parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from nerfstudio.cameras.cameras import Cameras
+from nerfstudio.models.splatfacto import get_viewmat, num_sh_bases
+from nerfstudio.utils.rich_utils import CONSOLE
+
+from odin_ns.runtime.block_table import BlockTable
+from odin_ns.runtime.dist_env import DistEnv
+from odin_ns.runtime.sharded import GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
+from odin_ns.runtime.waits import WaitLog
+from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
+from odin_ns.scene.blocks import block_bounds, build_layout
+from odin_ns.scene.ownership import assign_contiguous
+from odin_ns.scene.read_sets import blocks_in_view
+from odin_ns.schedule.views import ViewSchedule
+
+NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
+
+
+def view_projection(camera: Cameras, downscale: int) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(viewmat [1,4,4] OpenCV world-to-camera, K [1,3,3], W, H) of one camera at the model's render resolution."""
+    cam = camera.to("cpu")
+    cam = Cameras(camera_to_worlds=cam.camera_to_worlds.clone(), fx=cam.fx.clone(), fy=cam.fy.clone(),
+                  cx=cam.cx.clone(), cy=cam.cy.clone(), width=cam.width.clone(), height=cam.height.clone(),
+                  camera_type=cam.camera_type.clone())
+    cam.rescale_output_resolution(1 / downscale)
+    return get_viewmat(cam.camera_to_worlds), cam.get_intrinsics_matrices(), int(cam.width.item()), int(cam.height.item())
+
+
+def shard_bounds(params: Dict[str, torch.Tensor], ranges: Dict[int, Tuple[int, int]]):
+    """(lo, hi, max_scale) of each owned block, in id order, from the owned tensors."""
+    ids = sorted(ranges)
+    n = params["means"].shape[0]
+    block_of = torch.empty(n, dtype=torch.int64)
+    for i, b in enumerate(ids):
+        block_of[ranges[b][0]:ranges[b][1]] = i
+    lo, hi, _, _, max_scale = block_bounds(params["means"], torch.exp(params["scales"]).detach(), block_of, len(ids))
+    return lo, hi, max_scale
+
+
+class OdinEngine:
+    """Owns the distributed state of one rank and runs its training steps."""
+
+    def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int):
+        self.env = env
+        self.model = model
+        self.datamanager = datamanager
+        self.seed = seed
+        self.device = torch.device(model.device)
+        self.log = WaitLog(env.rank)
+        self.schedule = ViewSchedule(num_views=len(datamanager.train_dataset), num_ranks=env.world_size,
+                                     micro_batch=micro_batch,
+                                     seed=datamanager.config.train_cameras_sampling_seed)
+        self.num_rest = num_sh_bases(model.config.sh_degree) - 1
+        self._projections: Dict[Tuple[int, int], Tuple] = {}
+        self._shard_initial_model(block_size)
+        model.engine = self
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _shard_initial_model(self, block_size: int) -> None:
+        """Cut the (identical on every rank) initial model into Morton blocks and keep this rank's share."""
+        params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        layout = build_layout(params["means"], torch.exp(params["scales"]), block_size=block_size)
+        order = layout.order.to(params["means"].device)
+        ordered = {n: p[order] for n, p in params.items()}
+        ownership = assign_contiguous(layout.counts.numpy().astype(float), self.env.world_size)
+        owner = torch.as_tensor(ownership.owner, dtype=torch.int64)
+        counts = layout.counts.clone()
+        block_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        lo, hi, _, _, max_scale = block_bounds(ordered["means"], torch.exp(ordered["scales"]), block_of, len(counts))
+        self.table = BlockTable(owner=owner, count=counts, lo=lo, hi=hi, max_scale=max_scale,
+                                version=torch.zeros(len(counts), dtype=torch.int64))
+        mine = (owner[block_of] == self.env.rank).to(params["means"].device)
+        for n in PARAM_NAMES:
+            self.model.gauss_params[n] = torch.nn.Parameter(ordered[n][mine].contiguous())
+        self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
+
+    # ---- one step -------------------------------------------------------------------------------------------
+
+    def _read_sets(self, step: int) -> List[List[torch.Tensor]]:
+        """reads[q][j]: block ids of rank q's view j at `step` (ascending)."""
+        downscale = self.model._get_downscale_factor()
+        reads = []
+        for views in self.schedule.global_views(step):
+            per_view = []
+            for v in views:
+                viewmat, K, W, H = self._projection(v, downscale)
+                mask = blocks_in_view(self.table.lo, self.table.hi, viewmat, K, W, H, near=NEAR_PLANE,
+                                      max_scale=self.table.max_scale)[0]
+                per_view.append(torch.nonzero(mask & (self.table.count > 0)).flatten())
+            reads.append(per_view)
+        return reads
+
+    def _projection(self, view: int, downscale: int):
+        """`view_projection` of a training camera, memoized (cameras do not move: no camera optimization)."""
+        key = (view, downscale)
+        if key not in self._projections:
+            cameras = self.datamanager.train_dataset.cameras
+            self._projections[key] = view_projection(cameras[view:view + 1], downscale)
+        return self._projections[key]
+
+    def _background(self, step: int, slot: int) -> torch.Tensor:
+        """The random training background of one view: seeded by (seed, step, global slot), not by the rank."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * self.schedule.global_batch + slot)
+        return torch.rand(3, generator=g).to(self.device)
+
+    def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
+        """Run step `step` on this rank; returns (loss, loss dict, metrics dict) of its last view."""
+        me, model = self.env.rank, self.model
+        record = self.log.begin(step)
+        views = self.schedule.views(step, me)
+        record.views = list(views)
+        reads = self._read_sets(step)
+        owned_rows = pack_params({n: model.gauss_params[n] for n in PARAM_NAMES})
+        if self.env.distributed:
+            self.sharded.fetch(reads, owned_rows)
+        record.blocks_read = int(torch.unique(torch.cat(reads[me])).numel()) if reads[me] else 0
+        mine: List[torch.Tensor] = []
+        loss = loss_dict = metrics_dict = None
+        for j, view in enumerate(views):
+            with self.log.computing():
+                rows = self.sharded.render_rows(reads[me][j], owned_rows)
+                leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, self.num_rest).items()}
+                model.render_params = leaves
+                model.training_background = self._background(step, me * self.schedule.micro_batch + j)
+                camera, batch = self.datamanager.train_view(view)
+                outputs = model(camera)
+                metrics_dict = model.get_metrics_dict(outputs, batch)
+                loss_dict = model.get_loss_dict(outputs, batch, metrics_dict)
+                loss = functools.reduce(torch.add, loss_dict.values())
+                loss.backward()
+                mine.append(self._contribution(leaves, model.info))
+                model.render_params = None
+        self._update_owners(step, reads, mine, optimizers)
+        optimizers.scheduler_step_all(step)
+        self._refine(step, optimizers)
+        record.gaussians_owned = int(model.gauss_params["means"].shape[0])
+        record.gaussians_replicated = self.sharded.num_replicated()
+        return loss, loss_dict, metrics_dict
+
+    def _contribution(self, leaves: Dict[str, torch.Tensor], info: Dict) -> torch.Tensor:
+        """[M, D + 3] rows: the view's gradient of every Gaussian it rendered, and gsplat's densification stats."""
+        m = leaves["means"].shape[0]
+        grads = pack_params({n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]))
+                             for n in PARAM_NAMES})
+        means2d = info["means2d"]
+        g2d = means2d.absgrad if self.model.strategy.absgrad else means2d.grad
+        g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
+        g2d[..., 0] *= info["width"] / 2.0 * info["n_cameras"]  # gsplat's DefaultStrategy._update_state
+        g2d[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
+        radii = info["radii"][0]
+        visible = radii > 0
+        norm = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
+        scaled_radii = radii / float(max(info["width"], info["height"]))
+        extra = torch.stack([norm, visible.to(norm.dtype), scaled_radii.to(norm.dtype)], dim=1)
+        return torch.cat([grads, extra.to(grads.dtype)], dim=1)
+
+    @torch.no_grad()
+    def _update_owners(self, step: int, reads, mine: Sequence[torch.Tensor], optimizers) -> None:
+        """Sum contributions in reference order, selective Adam on the touched rows, versions and bounds, barrier."""
+        model = self.model
+        width = self.sharded.width
+        rows, contributions = self.sharded.reduce_to_owners(reads, mine)
+        n_owned = model.gauss_params["means"].shape[0]
+        acc = torch.zeros((n_owned, width), dtype=rows.dtype, device=rows.device)
+        touched = torch.zeros(n_owned, dtype=torch.bool, device=rows.device)
+        track = step < model.strategy.refine_stop_iter
+        state = model.strategy_state
+        if track:
+            for k in STATE_KEYS:
+                if state.get(k) is None or state[k].shape[0] != n_owned:
+                    state[k] = torch.zeros(n_owned, device=rows.device)
+        start = 0
+        for _, _, idx in contributions:
+            n = idx.numel()
+            piece = rows[start:start + n]
+            start += n
+            idx = idx.to(rows.device)
+            acc[idx] += piece[:, :width]
+            vis = piece[:, width + 1] > 0
+            touched[idx] |= vis
+            if track:
+                state["grad2d"][idx] += torch.where(vis, piece[:, width], torch.zeros_like(piece[:, width]))
+                state["count"][idx] += vis.to(state["count"].dtype)
+                state["radii"][idx] = torch.where(vis, torch.maximum(state["radii"][idx], piece[:, width + 2]),
+                                                  state["radii"][idx])
+        grads = unpack_params(acc, self.num_rest)
+        for n in PARAM_NAMES:
+            param = model.gauss_params[n]
+            param.grad = grads[n].reshape(param.shape).contiguous()
+            opt = optimizers.optimizers[n]
+            opt.visibility = touched
+            opt.step()
+        self._publish(touched)
+
+    def _publish(self, touched: torch.Tensor) -> None:
+        """New bounds and versions of this rank's blocks, then the barrier that spreads them."""
+        me = self.env.rank
+        ranges = self.table.owned_ranges(me)
+        params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        lo, hi, max_scale = shard_bounds(params, ranges)
+        ids = sorted(ranges)
+        bumped = torch.tensor([bool(touched[s:e].any()) for s, e in (ranges[b] for b in ids)], dtype=torch.bool)
+        counts = torch.tensor([ranges[b][1] - ranges[b][0] for b in ids], dtype=torch.int64)
+        self.table.update_owned(me, counts, lo, hi, max_scale, bumped)
+        if self.env.distributed:
+            self.table.sync(me, self.env.world_size, self.log, "barrier")
+            self.sharded.drop_stale()
+
+    # ---- phase boundaries -----------------------------------------------------------------------------------
+
+    def _refine(self, step: int, optimizers) -> None:
+        """gsplat's DefaultStrategy schedule (grow/prune every refine_every, opacity reset), owners per block."""
+        strategy, model = self.model.strategy, self.model
+        if step >= strategy.refine_stop_iter:
+            return
+        grow = (step > strategy.refine_start_iter and step % strategy.refine_every == 0
+                and step % strategy.reset_every >= strategy.pause_refine_after_reset)
+        reset = step % strategy.reset_every == 0
+        if not (grow or reset):
+            return
+        with self.log.waiting("phase"):
+            if grow:
+                self._grow_and_prune(step, optimizers)
+            if reset:
+                self._reset_opacities(strategy.prune_opa * 2.0, optimizers)
+            self._publish(torch.ones(model.gauss_params["means"].shape[0], dtype=torch.bool))
+            if grow and self.env.rank == 0:
+                CONSOLE.log(f"Step {step}: {int(self.table.count.sum())} Gaussians in {self.table.num_blocks} blocks")
+
+    def _grow_and_prune(self, step: int, optimizers) -> None:
+        model, me = self.model, self.env.rank
+        ranges = self.table.owned_ranges(me)
+        triples = [(b, s, e) for b, (s, e) in sorted(ranges.items())]
+        params = {n: model.gauss_params[n].detach() for n in PARAM_NAMES}
+        opt_states = {n: dict(optimizers.optimizers[n].state.get(model.gauss_params[n], {})) for n in PARAM_NAMES}
+        new_params, new_opt, new_state, counts, _ = refine_blocks(
+            model.strategy, params, opt_states, model.strategy_state, triples, step, self.seed)
+        for n in PARAM_NAMES:
+            self._replace_param(n, new_params[n], new_opt[n], optimizers)
+        model.strategy_state.update(new_state)
+        ids = sorted(ranges)
+        self.table.count[ids] = torch.tensor(counts, dtype=torch.int64)
+
+    def _reset_opacities(self, value: float, optimizers) -> None:
+        """gsplat's `reset_opa`: clamp opacities, zero their moments (elementwise, so shard-independent)."""
+        model = self.model
+        p = model.gauss_params["opacities"]
+        clamped = torch.clamp(p.detach(), max=torch.logit(torch.tensor(value)).item())
+        state = optimizers.optimizers["opacities"].state.get(p, {})
+        self._replace_param("opacities", clamped,
+                            {k: torch.zeros_like(v) for k, v in state.items() if k != "step"}, optimizers)
+
+    def _replace_param(self, name: str, value: torch.Tensor, opt_state: Dict[str, torch.Tensor], optimizers) -> None:
+        """Swap a Gaussian parameter for a new tensor, moving its optimizer state along (as gsplat's ops do)."""
+        model = self.model
+        old = model.gauss_params[name]
+        optimizer = optimizers.optimizers[name]
+        state = optimizer.state.pop(old, {})
+        new = torch.nn.Parameter(value.contiguous())
+        for k, v in opt_state.items():
+            state[k] = v
+        optimizer.param_groups[0]["params"] = [new]
+        optimizer.state[new] = state
+        model.gauss_params[name] = new
+        optimizers.parameters[name] = [new]
+
+    # ---- the whole model on rank 0 --------------------------------------------------------------------------
+
+    def gather_full(self) -> Dict[str, torch.Tensor] | None:
+        """Every block's parameters on rank 0 in block order (collective); None elsewhere."""
+        owned_rows = pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
+        if not self.env.distributed:
+            return {n: t.clone() for n, t in unpack_params(owned_rows, self.num_rest).items()}
+        rows = self.sharded.gather_to(0, owned_rows)
+        if rows is None:
+            return None
+        return {n: t.contiguous() for n, t in unpack_params(rows, self.num_rest).items()}
+
+    def gather_optimizer_states(self, optimizers) -> Dict[str, Dict[str, torch.Tensor]] | None:
+        """The Adam moments of every Gaussian on rank 0, in block order (collective); None elsewhere."""
+        gathered: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in PARAM_NAMES}
+        for key in ("exp_avg", "exp_avg_sq"):
+            owned = {}
+            for n in PARAM_NAMES:
+                param = self.model.gauss_params[n]
+                owned[n] = optimizers.optimizers[n].state.get(param, {}).get(key, torch.zeros_like(param))
+            rows = pack_params(owned)
+            full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
+            if full is None:
+                continue
+            for n, t in unpack_params(full, self.num_rest).items():
+                gathered[n][key] = t.contiguous()
+        return gathered if self.env.rank == 0 else None
+

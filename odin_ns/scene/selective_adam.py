@@ -1,0 +1,175 @@
+"""Selective (visibility-masked) Adam: the owner-side update of Odin's synchronous reference.
+
+Why not gsplat's: `gsplat.optimizers.SelectiveAdam` (gsplat >= 1.5) runs a CUDA kernel only; gsplat 1.4.0, which
+nerfstudio 1.1.5 pins, does not have it at all; Odin must also run on the CPU, bit for bit.
+
+The update, per parameter tensor p [N, ...] with gradient g, moments m, v (state "exp_avg", "exp_avg_sq") and the
+row mask `visibility` [N] (True = some view of this step touched the Gaussian):
+
+    t <- t + 1                                    (state "step": every call, for every parameter; see below)
+    for every visible row i (all of its elements):
+        m_i <- beta1 * m_i + (1 - beta1) * g_i    (computed as torch.lerp(m_i, g_i, 1 - beta1), as torch.optim.Adam)
+        v_i <- beta2 * v_i + (1 - beta2) * g_i^2
+        with bias correction (default):
+            p_i <- p_i - (lr / (1 - beta1^t)) * m_i / (sqrt(v_i) / sqrt(1 - beta2^t) + eps)
+        without (bias_correction=False, exactly gsplat's kernel `adam_kernel` in gsplat/cuda/csrc/AdamCUDA.cu):
+            p_i <- p_i - lr * m_i / (sqrt(v_i) + eps)
+    rows that are not visible: p_i, m_i, v_i unchanged (bit for bit).
+
+gsplat's kernel applies *no* bias correction (its Python wrapper passes lr, betas and eps only, and its
+state["step"] is never advanced). The default here keeps Adam's bias correction instead, with t the step count
+of the parameter, so that (a) with every row visible this is torch.optim.Adam bit for bit, i.e. plain splatfacto
+training is unchanged, and (b) the early updates have Adam's magnitude (gsplat's first update is
+lr * (1 - beta1) / sqrt(1 - beta2) = 3.16 lr per element). `bias_correction=False` gives gsplat's update.
+
+Step count. t advances on every `step()` call for every parameter, visible rows or not, gradient or not: t is the
+global step count, identical on every owner whatever rows it holds, so an owner updating only its shard uses the
+same bias correction as the single-process reference. (torch.optim.Adam skips a parameter whose .grad is None
+without advancing its step; here such a parameter only has all rows treated as not visible.)
+
+Determinism and sharding. The arithmetic is the same sequence of elementwise torch ops as torch.optim.Adam's
+single-tensor path (lerp_, mul_/addcmul_, sqrt/div/add_, addcdiv_), applied to the visible rows only (gathered
+with index_select, written back with index_copy_). Each element's result depends only on that element's values,
+so updating a shard gives the same bits as updating the full tensor (tests/test_scene_selective_adam.py checks it).
+
+The mask can be given as `step(visibility)` or, for callers that call `step()` with no argument (nerfstudio's
+`Optimizers`, gsplat strategies, GradScaler), set beforehand as the attribute `optimizer.visibility`. The
+attribute applies to one step: `step()` consumes it (resets it to None). No mask means every row is visible
+(dense Adam), unless the optimizer was built with `require_visibility=True`, which makes a missing mask an error.
+
+State layout is torch.optim.Adam's ("step" a float32 scalar tensor on the CPU, "exp_avg", "exp_avg_sq" like the
+parameter), so `state_dict()` / `load_state_dict()` and gsplat's strategy ops (gsplat/strategy/ops.py, which
+rewrite every state entry except "step" when duplicating, splitting or pruning rows) work unchanged.
+
+Not supported: amsgrad, weight decay, maximize, sparse or complex gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class SelectiveAdam(torch.optim.Optimizer):
+    """Adam that updates only the rows (Gaussians) marked visible; see the module docstring for the exact update.
+
+    Args:
+        params: parameters or param groups; each parameter's first dimension indexes Gaussians.
+        lr, eps, betas: as torch.optim.Adam.
+        bias_correction: Adam's bias correction (default) or gsplat's uncorrected kernel update.
+        require_visibility: make `step()` without a mask an error instead of a dense update.
+        fused: use gsplat's CUDA kernel (gsplat >= 1.5) for CUDA parameters; numerically equivalent, not
+            bit-identical to the PyTorch path (the kernel fuses differently). Default False.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        eps: float = 1e-8,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        bias_correction: bool = True,
+        require_visibility: bool = False,
+        fused: bool = False,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}")
+        defaults = dict(lr=lr, eps=eps, betas=tuple(betas), bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        self.require_visibility = require_visibility
+        self.fused = fused
+        self.visibility: Optional[Tensor] = None
+
+    @torch.no_grad()
+    def step(self, visibility: Optional[Tensor] = None, closure: Optional[Callable[[], float]] = None):
+        """One update. `visibility`: bool [N] (nonzero = visible); default: the `visibility` attribute."""
+        if callable(visibility) and closure is None:  # torch's positional step(closure)
+            visibility, closure = None, visibility
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if visibility is None:
+            visibility = self.visibility
+        self.visibility = None  # a mask describes one step
+        if visibility is None and self.require_visibility:
+            raise RuntimeError("SelectiveAdam.step(): no visibility mask given (require_visibility=True)")
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._update(p, group, visibility)
+        return loss
+
+    def _update(self, p: Tensor, group: dict, visibility: Optional[Tensor]) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.is_sparse or torch.is_complex(p):
+            raise RuntimeError("SelectiveAdam supports dense real gradients only")
+        rows = None  # None = every row
+        if visibility is not None:
+            mask = visibility.reshape(-1).to(device=p.device) != 0
+            if mask.shape[0] != p.shape[0]:
+                raise ValueError(f"visibility has {mask.shape[0]} rows, the parameter {p.shape[0]}")
+            if not bool(mask.all()):
+                rows = torch.nonzero(mask).flatten()
+                if rows.numel() == 0:
+                    return
+        lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
+        step = float(state["step"].item())
+        if group["bias_correction"]:
+            bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+        else:
+            bias1, bias2_sqrt = 1.0, 1.0
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if self.fused and p.is_cuda:
+            _gsplat_adam(p, grad, m, v, visibility, lr, beta1, beta2, eps, bias1, bias2_sqrt)
+            return
+        if rows is None:
+            _adam_rows(p, grad, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt)
+            return
+        p_r, m_r, v_r = p.index_select(0, rows), m.index_select(0, rows), v.index_select(0, rows)
+        _adam_rows(p_r, grad.index_select(0, rows), m_r, v_r, lr, beta1, beta2, eps, bias1, bias2_sqrt)
+        p.index_copy_(0, rows, p_r)
+        m.index_copy_(0, rows, m_r)
+        v.index_copy_(0, rows, v_r)
+
+
+def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:
+    """In place, every element: torch.optim.Adam's single-tensor update, op for op (torch/optim/adam.py).
+    Without bias correction bias1 = bias2_sqrt = 1.0, and dividing by 1.0 is exact: gsplat's formula."""
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / bias2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bias1))
+
+
+def _gsplat_adam(p, g, m, v, visibility, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:
+    """gsplat's fused CUDA kernel. It has no bias correction, so it is folded into lr and eps:
+    (lr / b1) * m / (sqrt(v) / b2s + eps) == (lr * b2s / b1) * m / (sqrt(v) + eps * b2s).
+    Tensors are viewed as [N, D]: gsplat versions differ on whether the mask indexes dim 0 or all but the last."""
+    try:
+        from gsplat.cuda._wrapper import adam  # gsplat >= 1.5
+    except ImportError as e:  # pragma: no cover - depends on the installed gsplat
+        raise RuntimeError("SelectiveAdam(fused=True) needs gsplat >= 1.5 with its CUDA extension") from e
+    n = p.shape[0]
+    if p.numel() == 0:
+        return
+    valid = torch.ones(n, dtype=torch.bool, device=p.device) if visibility is None else (
+        visibility.reshape(-1).to(device=p.device) != 0
+    )
+    if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+        raise RuntimeError("SelectiveAdam(fused=True) needs contiguous tensors")
+    adam(p.view(n, -1), g.view(n, -1), m.view(n, -1), v.view(n, -1), valid.contiguous(),
+         lr * bias2_sqrt / bias1, beta1, beta2, eps * bias2_sqrt)

@@ -1,0 +1,1 @@
+"""Ahead-of-time plans: which views run where and when. A Schedule is plain data."""
