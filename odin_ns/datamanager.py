@@ -16,7 +16,7 @@ import torch
 
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanager, FullImageDatamanagerConfig
-from nerfstudio.data.dataparsers.base_dataparser import DataParserConfig
+from nerfstudio.configs.dataparser_configs import AnnotatedDataParserUnion
 
 from odin_ns.data.auto_dataparser import OdinAutoDataParserConfig, check_data_folder
 from odin_ns.errors import OdinInputError
@@ -30,7 +30,7 @@ class OdinDataManagerConfig(FullImageDatamanagerConfig):
     """nerfstudio's full-image datamanager options (`--pipeline.datamanager.*`), odin's parser by default."""
 
     _target: Type = field(default_factory=lambda: OdinDataManager)
-    dataparser: DataParserConfig = field(default_factory=OdinAutoDataParserConfig)
+    dataparser: AnnotatedDataParserUnion = field(default_factory=OdinAutoDataParserConfig)
     cache_images_type: Literal["uint8", "float32"] = "uint8"
 
 

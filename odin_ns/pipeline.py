@@ -35,6 +35,8 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
     dist_timeout_s: float = 120.0
     """Seconds a rank waits on its peers before it gives up (a dead or mismatched rank)."""
+    viewer_refresh_every: int = 50
+    """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
     seed: int = 42
     """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
 

@@ -13,8 +13,11 @@ from typing import Type
 
 import torch
 
+from nerfstudio.engine.callbacks import TrainingCallbackLocation
 from nerfstudio.engine.trainer import Trainer, TrainerConfig
+from nerfstudio.utils import writer
 from nerfstudio.utils.misc import step_check
+from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.checkpoint import write_full_checkpoint
 from odin_ns.errors import OdinInputError
@@ -74,8 +77,20 @@ class OdinTrainer(Trainer):
         super().train()
 
     def _after_train(self) -> None:
-        super()._after_train()
+        """nerfstudio's end of training, with the collective parts (checkpoint, stats) before rank 0 may block in
+        the viewer's "training complete" loop."""
+        self.training_state = "completed"
+        self.save_checkpoint(self.step)
+        writer.write_out_storage()
         self.write_stats()
+        if self.env.rank != 0:
+            return
+        CONSOLE.print(f"[bold green]Training finished[/bold green]: config {self.config.get_base_dir() / 'config.yml'}"
+                      f", checkpoints {self.checkpoint_dir}")
+        for callback in self.callbacks:
+            callback.run_callback_at_location(step=self.step, location=TrainingCallbackLocation.AFTER_TRAIN)
+        if not self.config.viewer.quit_on_train_completion:
+            self._train_complete_viewer()
 
     def write_stats(self):
         """odin_stats.json beside the run's outputs (every rank takes part; rank 0 writes)."""
@@ -86,7 +101,12 @@ class OdinTrainer(Trainer):
 
     def train_iteration(self, step: int):
         self.optimizers.zero_grad_all()
-        return self.engine.train_step(step, self.optimizers)
+        loss, loss_dict, metrics_dict = self.engine.train_step(step, self.optimizers)
+        if self.env.distributed and self.config.is_viewer_enabled() and step % self.config.pipeline.viewer_refresh_every == 0:
+            snapshot = self.engine.gather_full()  # what rank 0's viewer shows until the next refresh
+            if self.env.rank == 0:
+                self.pipeline.model.full_snapshot = snapshot
+        return loss.detach(), {k: v.detach() for k, v in loss_dict.items()}, metrics_dict
 
     def _needs_full_model(self, step: int) -> bool:
         c = self.config

@@ -83,8 +83,9 @@ def build_command(ranks: int, torchrun_args: List[str], training: List[str]) -> 
 
 
 def failed_rank(log_tail: str) -> Optional[str]:
-    """The rank torchrun reports as failed, from its error summary."""
-    match = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", log_tail)
+    """The rank torchrun reports as the root cause of the failure (its error summary's "Root Cause")."""
+    root = log_tail.rfind("Root Cause")
+    match = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", log_tail[root:] if root >= 0 else log_tail)
     return match.group(1) if match else None
 
 

@@ -7,7 +7,9 @@ configuration, and runs nerfstudio's training loop with the odin trainer. Only r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import sys
 from typing import List, Optional
@@ -41,7 +43,11 @@ def check_same_config(config, rank: int, world_size: int) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    config = tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+    if int(os.environ.get("RANK", "0")) != 0:
+        with contextlib.redirect_stderr(io.StringIO()):  # a usage error is printed once, by rank 0
+            config = tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+    else:
+        config = tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
     if not isinstance(config, OdinTrainerConfig):
         raise OdinInputError(f"method {config.method_name!r} is not an odin method: use odin, odin-throughput "
                              "or odin-barrier (other nerfstudio methods train with ns-train)")
@@ -55,7 +61,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     config.set_timestamp()
     if env.distributed:
         check_same_config(config, env.rank, env.world_size)
-    if env.rank == 0:
+    if env.rank != 0:
+        CONSOLE.quiet = True  # rank 0 speaks for the job; errors still reach stderr
+    else:
         config.print_to_terminal()
         config.save_config()
         CONSOLE.log(f"odin: {env.world_size} rank(s), backend {env.backend}")

@@ -225,6 +225,7 @@ def ensure_city(cfg: CityConfig, root: Optional[os.PathLike] = None, num_threads
             t0 = time.perf_counter()
             render = render_city(cfg, num_threads=num_threads)
             write_dataset(render, tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
             if log is not None:
                 log(f"odin-city: generated {cfg.num_cameras} views of {cfg.width}x{cfg.height} and "
                     f"{len(render.points_xyz)} seed points in {time.perf_counter() - t0:.1f}s -> {final}")

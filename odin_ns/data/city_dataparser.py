@@ -5,8 +5,9 @@ fields. With `data`: a folder holding an odin-city `transforms.json` is loaded a
 the cache root instead of `$ODIN_NS_CACHE` / `~/.cache/odin_ns`.
 
 Output frame: the stored scene (metres, z up, ground at z=0, street grid centred on the origin) scaled by
-`unit_scale` so that the street network, outer sidewalks included, spans [-1, 1] in x and y; buildings reach
-z <= ~0.75 for the default size, the ground margin reaches |x|, |y| <= 1.4 and aerial cameras sit at z ~ 1. No
+`unit_scale` so that the street network, outer sidewalks included, spans [-1, 1] in x and y (1 unit = 60 m for
+3x3 blocks); buildings reach z <= ~0.9 for the default size, the ground margin reaches |x|, |y| <= 1.4 and the
+aerial cameras sit at z ~ 0.9-1.2 (larger cities shrink everything by the same rule). No
 rotation or translation (`dataparser_transform` is the identity, `dataparser_scale` the unit scale). Cameras use
 nerfstudio's OpenGL convention (look down -Z, +Y up). The nearest surface a street camera sees is >= 2 m away,
 about 0.03 in these units, above the rasterizer's near plane of 0.01.

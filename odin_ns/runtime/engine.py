@@ -137,6 +137,7 @@ class OdinEngine:
         owned_rows = pack_params({n: model.gauss_params[n] for n in PARAM_NAMES})
         if self.env.distributed:
             self.sharded.fetch(reads, owned_rows)
+        record.gaussians_replicated = self.sharded.num_replicated()
         record.blocks_read = int(torch.unique(torch.cat(reads[me])).numel()) if reads[me] else 0
         mine: List[torch.Tensor] = []
         loss = loss_dict = metrics_dict = None
@@ -158,7 +159,6 @@ class OdinEngine:
         optimizers.scheduler_step_all(step)
         self._refine(step, optimizers)
         record.gaussians_owned = int(model.gauss_params["means"].shape[0])
-        record.gaussians_replicated = self.sharded.num_replicated()
         return loss, loss_dict, metrics_dict
 
     def _contribution(self, leaves: Dict[str, torch.Tensor], info: Dict) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Shared helpers: a tiny built-in city, in-process training, and `odin-train` runs as real processes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+FOX = SHARED_DATA / "fox"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _city_cache(tmp_path_factory):
+    """One city cache for the whole session (subprocesses inherit it through the environment)."""
+    os.environ.setdefault("ODIN_NS_CACHE", str(tmp_path_factory.mktemp("odin_cache")))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# A small city and a schedule where densification happens early: refine at steps 20 and 30 (pause after the
+# opacity reset at step 0 is num_train_views + refine_every = 14 + 5 steps).
+# (a data parser sub-command and its options: they go last on the command line)
+TINY_CITY = ["odin-city", "--width", "48", "--height", "36", "--num-street-cameras", "12",
+             "--num-aerial-cameras", "4", "--num-points", "1500"]
+FAST_TRAINING = [
+    "--vis", "tensorboard",
+    "--steps-per-eval-image", "100000", "--steps-per-eval-all-images", "100000",
+    "--pipeline.model.num-downscales", "0",
+    "--pipeline.model.warmup-length", "5",
+    "--pipeline.model.refine-every", "5",
+    "--pipeline.model.reset-alpha-every", "100",
+    "--pipeline.model.densify-grad-thresh", "0.0002",
+    "--pipeline.block-size", "256",
+]
+
+
+def odin_train(ranks: int, method: str, args: List[str], out: Path, timeout: float = 600,
+               extra_env=None) -> subprocess.CompletedProcess:
+    """Run `odin-train --ranks N METHOD args --output-dir out` as real processes; fail the test on error."""
+    cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", str(ranks), method, "--output-dir", str(out), *args]
+    env = dict(os.environ, **(extra_env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"odin-train failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_dir(out: Path) -> Path:
+    """The single run folder (the one with config.yml) under an output dir."""
+    configs = glob.glob(str(out / "**" / "config.yml"), recursive=True)
+    assert len(configs) == 1, configs
+    return Path(configs[0]).parent
+
+
+def last_checkpoint(out: Path) -> Path:
+    ckpts = sorted(glob.glob(str(run_dir(out) / "nerfstudio_models" / "*.ckpt")))
+    assert ckpts, f"no checkpoint under {out}"
+    return Path(ckpts[-1])
