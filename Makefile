@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.odin-installed
 DEMO_ARGS ?=
 
-.PHONY: install demo test bench clean-venv
+.PHONY: install demo test bench clean-venv system-deps
 
 install: $(STAMP)
 
@@ -17,7 +17,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
 	$(PY) -m odin_ns.compat.install_pth
+	@$(MAKE) --no-print-directory system-deps
 	touch $(STAMP)
+
+# open3d (imported by `ns-export`) needs the libusb-1.0 shared library; Debian/Ubuntu images often lack it.
+system-deps:
+	@$(PY) -c "import ctypes.util, sys; sys.exit(0 if ctypes.util.find_library('usb-1.0') else 1)" || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get install -y -q libusb-1.0-0 >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libusb-1.0-0 >/dev/null 2>&1; }; }; } || \
+	  echo "note: ns-export needs the libusb-1.0 library (e.g. apt-get install libusb-1.0-0)"
 
 demo: $(STAMP)
 	$(VENV)/bin/odin-demo $(DEMO_ARGS)

@@ -19,7 +19,7 @@ from nerfstudio.utils import writer
 from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from odin_ns.checkpoint import write_full_checkpoint
+from odin_ns.checkpoint import checkpoint_to_load, write_full_checkpoint
 from odin_ns.errors import OdinInputError
 from odin_ns.pipeline import OdinPipeline
 from odin_ns.runtime.dist_env import init_distributed
@@ -123,12 +123,30 @@ class OdinTrainer(Trainer):
             self.pipeline.model.full_snapshot = snapshot
         super().eval_iteration(step)
 
+    def _load_checkpoint(self) -> None:
+        """nerfstudio's `--load-dir` / `--load-checkpoint`, for a checkpoint of the whole model on any rank count:
+        every rank loads it, then the engine re-shards the Gaussians and their Adam moments."""
+        path = checkpoint_to_load(self.config)
+        if path is None:
+            CONSOLE.print("No Nerfstudio checkpoint to load, so training from scratch.")
+            return
+        state = torch.load(path, map_location="cpu")
+        self._start_step = state["step"] + 1
+        self.pipeline.load_pipeline(state["pipeline"], state["step"])
+        gaussian_groups = {}
+        for group, opt_state in state["optimizers"].items():
+            if group in self.engine.param_names:
+                gaussian_groups[group] = opt_state["state"].get(0, {})
+            elif group in self.optimizers.optimizers:
+                self.optimizers.optimizers[group].load_state_dict(opt_state)
+        self.engine.adopt_full_model(gaussian_groups, self.optimizers)
+        if "schedulers" in state and self.config.load_scheduler:
+            self.optimizers.load_schedulers(state["schedulers"])
+        self.grad_scaler.load_state_dict(state["scalers"])
+        CONSOLE.print(f"Done loading checkpoint from {path} ({self.env.world_size} rank(s))")
+
     def save_checkpoint(self, step: int) -> None:
         """Write a plain splatfacto checkpoint of the whole model on rank 0 (every rank takes part in the gather)."""
-        if not self.env.distributed:
-            if self.env.rank == 0:
-                super().save_checkpoint(step)
-            return
         full = self.engine.gather_full()
         states = self.engine.gather_optimizer_states(self.optimizers)
         if self.env.rank != 0:

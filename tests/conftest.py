@@ -35,7 +35,7 @@ FAST_TRAINING = [
     "--pipeline.model.warmup-length", "5",
     "--pipeline.model.refine-every", "5",
     "--pipeline.model.reset-alpha-every", "100",
-    "--pipeline.model.densify-grad-thresh", "0.0002",
+    "--pipeline.model.densify-grad-thresh", "0.0008",
     "--pipeline.block-size", "256",
 ]
 

@@ -35,6 +35,7 @@ def demo_config() -> OdinTrainerConfig:
     model.reset_alpha_every = 10
     model.stop_split_at = 1500
     model.sh_degree_interval = 400
+    model.stop_screen_size_at = 0  # screen-size splitting: 5% of a 128-pixel image is 6 pixels, far too eager
     config.optimizers["means"]["scheduler"].max_steps = config.max_num_iterations
     return config
 

@@ -1,26 +1,33 @@
 """Front-to-back alpha compositing on CPU: gsplat's `rasterize_to_pixels` forward and backward.
 
 Why by hand: gsplat's kernels are CUDA-only, and compositing through PyTorch autograd on CPU costs several times
-more (every Gaussian-pixel pair would hold a graph node chain). This is the one place where the math of
+more (every Gaussian-pixel pair would hold a chain of graph nodes). This is the one place where the math of
 gsplat's `rasterize_to_pixels_fwd.cu` / `_bwd.cu` is re-expressed, vectorized as dense blocks:
 
-- work unit: a batch of up to `B` consecutive entries of a sub-tile's depth-sorted list against the sub-tile's
-  P pixels, i.e. dense [T, P, B] tensors for T tiles at once (no per-pair gathers, scatters or sorts);
-- per pixel, exactly gsplat's rules: power = 0.5 (a dx^2 + c dy^2) + b dx dy, alpha = min(0.999, o exp(-power)),
+- work unit ("step"): for T sub-tiles at once, the next `B` entries of each sub-tile's depth-sorted list against
+  the sub-tile's P pixels, as dense [T, P, B] tensors (no per-pair gathers, scatters or sorts);
+- per pixel, gsplat's rules: power = 0.5 (a dx^2 + c dy^2) + b dx dy, alpha = min(0.999, o exp(-power)),
   skip when power < 0 or alpha < 1/255, stop before the Gaussian that would take the transmittance to
-  <= 1e-4 (that one is not composited), T updated by sequential multiplication (a cumprod along B);
-- backward walks the same batches back to front, carrying per pixel the sum over deeper Gaussians of
-  w_j (c_j . dL/dC), which is all gsplat's per-pixel `buffer` is used for, recomputes each batch from the
-  saved inputs (bit-identical to the forward) and reduces each (tile, entry) over the tile's pixels before one
-  `index_add_` per gradient row into the entries;
-- absgrad: per entry, the sum over pixels of |dL/dmeans2d| of that pixel, as gsplat's kernel accumulates it.
+  <= 1e-4 (that one is not composited), T multiplied front to back (a cumprod along B);
+- backward walks the same steps back to front, carrying per pixel the sum over deeper Gaussians of
+  w_j (c_j . dL/dC), which is all gsplat's per-pixel `buffer` is needed for; each step is recomputed from its
+  saved inputs with the same code as the forward (bit-identical decisions), reduced over the tile's pixels,
+  and added into per-entry rows with one `index_add_`;
+- absgrad: per entry, the sum over pixels of |dL/dmeans2d| of each pixel, as gsplat's kernel accumulates it.
 
-Every reduction runs in a fixed order (dense reductions of fixed shapes, `index_add_` on CPU loops over the
-index serially), so identical inputs give bit-identical outputs and gradients at a fixed thread count.
+Speed notes (2 cores, measured): temporaries above ~512 KiB page-fault on every allocation (glibc trims its heap),
+so steps hold at most `_MAX_ELEMS` elements and reuse a per-thread workspace through `out=` / in-place ops;
+`torch.where` with a scalar and bool-mask products are several times slower than arithmetic here, so 0/1 masks
+are made with `clamp((x - threshold) * 1e30, 0, 1)`, exact because the subtraction keeps the sign of x - threshold.
+
+Determinism: every reduction has a fixed order for fixed inputs (dense reductions of fixed shapes; `index_add_`
+on CPU loops over its index in order), so identical inputs give bit-identical outputs and gradients.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -28,40 +35,99 @@ from torch import Tensor
 
 from .tiles import Isects
 
-# Dense work per step (T * P * B elements): large tensors on this kind of machine pay page faults on every
-# allocation; ~0.5M float32 elements (2 MiB) stay in cache and in malloc's reuse range.
-_MAX_ELEMS = 1 << 19
+_MAX_ELEMS = 1 << 17
+_BIG = 1e30
 
 
-class _Batch:
-    __slots__ = ("tid", "ent", "jv", "g6", "cols", "T_in", "done_in")
+class _Consts:
+    """gsplat's thresholds as the comparisons see them in the working dtype."""
 
-    def __init__(self, tid, ent, jv, g6, cols, T_in, done_in):
-        self.tid, self.ent, self.jv, self.g6, self.cols = tid, ent, jv, g6, cols
-        self.T_in, self.done_in = T_in, done_in
+    def __init__(self, dtype: torch.dtype) -> None:
+        def t(v):
+            return torch.tensor(v, dtype=dtype)
+
+        # alpha < 1/255 is skipped (float compare in gsplat): keep alpha > prev(1/255)
+        self.alpha_prev = torch.nextafter(t(1.0 / 255.0), t(-1.0)).item()
+        # next_T <= 1e-4 stops: T survives iff T > (largest value <= 1e-4)
+        lo = t(1e-4)
+        if lo.item() > 1e-4:
+            lo = torch.nextafter(lo, t(-1.0))
+        self.stop_lo = lo.item()
+        self.amax = t(0.999).item()  # alpha = min(0.999, o * vis)
+        # gradient flows through alpha iff o * vis <= 0.999: keep o * vis < next(0.999)
+        self.unclamped_next = torch.nextafter(t(0.999), t(2.0)).item()
 
 
-def _alphas(b: _Batch, px: Tensor, py: Tensor):
-    """Recomputable per-batch quantities; used identically by forward and backward (bit-identical)."""
-    mx, my, ca, cb, cc, op = b.g6.unbind(0)  # each [T, B]
-    dx = mx[:, None, :] - px[:, :, None]  # [T, P, B]; gsplat's delta = mean - pixel
-    dy = my[:, None, :] - py[:, :, None]
-    power = 0.5 * (ca[:, None, :] * dx * dx + cc[:, None, :] * dy * dy) + cb[:, None, :] * dx * dy
-    vis = torch.exp(-power)
-    ov = op[:, None, :] * vis
-    alpha = ov.clamp_max(0.999)
-    ok = (power >= 0) & (alpha >= 1.0 / 255.0) & ~b.done_in[:, :, None]
-    alpha_v = torch.where(ok, alpha, 0.0)
-    one_m = 1.0 - alpha_v
-    # transmittance, exactly gsplat's sequence T <- T * (1 - alpha): Tcat[..., k] = T before entry k
-    Tcat = torch.cumprod(torch.cat([b.T_in[:, :, None], one_m], dim=2), dim=2)
-    stop = Tcat[:, :, 1:] <= 1e-4  # the entry that would push T to <= 1e-4 and all after it
-    contrib = ok & ~stop
-    return dx, dy, vis, ov, alpha_v, Tcat, stop, contrib
+class _Workspace(threading.local):
+    """Per-thread reusable buffers (forward and backward may run on different threads, e.g. a viewer)."""
+
+    def __init__(self) -> None:
+        self.bufs = {}
+
+    def get(self, name: str, shape, dtype: torch.dtype) -> Tensor:
+        n = math.prod(shape)
+        key = (name, dtype)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, _MAX_ELEMS + (_MAX_ELEMS // 16)), dtype=dtype)
+            self.bufs[key] = buf
+        return buf[:n].view(shape)
+
+
+_WS = _Workspace()
+
+
+class _Step:
+    """One step's saved inputs: tiles, their entries [T, B] and the per-pixel state when the step began."""
+
+    __slots__ = ("tid", "idx", "g6", "cT", "T_in", "risky")
+
+    def __init__(self, tid, idx, g6, cT, T_in, risky):
+        self.tid, self.idx, self.g6, self.cT, self.T_in, self.risky = tid, idx, g6, cT, T_in, risky
+
+
+def _alphas(st: _Step, px: Tensor, py: Tensor, k: _Consts):
+    """Per-step quantities shared by forward and backward (same code, hence bit-identical results).
+
+    Returns workspace views: dx, dy, vis, ov (o * vis), alpha (0 where skipped), Tcat (T before entry j at
+    [..., j], T after the last at [..., B]), ns (1 where the pixel has not stopped after entry j), w.
+    """
+    T, P = px.shape
+    B = st.g6.shape[2]
+    dt = px.dtype
+    sh = (T, P, B)
+    mx, my, ca, cb, cc, op = (v[:, None, :] for v in st.g6.unbind(0))
+    dx = torch.sub(mx, px[:, :, None], out=_WS.get("dx", sh, dt))  # gsplat's delta = mean - pixel
+    dy = torch.sub(my, py[:, :, None], out=_WS.get("dy", sh, dt))
+    pw = torch.mul(ca, dx, out=_WS.get("pw", sh, dt)).mul_(dx)
+    t = torch.mul(cc, dy, out=_WS.get("t", sh, dt)).mul_(dy)
+    pw.add_(t).mul_(0.5)
+    pw.add_(torch.mul(cb, dx, out=t).mul_(dy))
+    vis = torch.neg(pw, out=_WS.get("vis", sh, dt)).exp_()
+    ov = torch.mul(op, vis, out=_WS.get("ov", sh, dt))
+    alpha = torch.clamp_max(ov, k.amax, out=_WS.get("alpha", sh, dt))
+    m = torch.sub(alpha, k.alpha_prev, out=t).mul_(_BIG).clamp_(0.0, 1.0)
+    if st.risky:
+        # power < 0 only happens (by rounding) for near-singular conics; gsplat skips those pixels
+        m.mul_(pw >= 0)
+    alpha.mul_(m)
+    Tcat = _WS.get("Tcat", (T, P, B + 1), dt)
+    Tcat[:, :, 0] = st.T_in
+    Tcat[:, :, 1:].copy_(alpha).neg_().add_(1.0)
+    Tcat.cumprod_(2)
+    ns = torch.sub(Tcat[:, :, 1:], k.stop_lo, out=_WS.get("ns", sh, dt)).mul_(_BIG).clamp_(0.0, 1.0)
+    w = torch.mul(alpha, Tcat[:, :, :B], out=_WS.get("w", sh, dt)).mul_(ns)
+    return dx, dy, vis, ov, alpha, Tcat, ns, w
+
+
+def _risky_conics(conics: Tensor) -> Tensor:
+    """Entries whose power can round below 0 (a, c > 0 and det >= 1e-4 a c rule it out, see composite notes)."""
+    a, b, c = conics.unbind(1)
+    return ~((a > 0) & (c > 0) & (a * c - b * b >= 1e-4 * a * c))
 
 
 class RasterizeToPixelsCPU(torch.autograd.Function):
-    """Same contract as gsplat's `_RasterizeToPixels`: entries [E, ...] -> (colors, alphas) [C, H, W, D|1]."""
+    """Same contract as gsplat's `_RasterizeToPixels`, on flattened entries [E, ...] -> [C, H, W, D|1]."""
 
     @staticmethod
     def forward(
@@ -71,144 +137,156 @@ class RasterizeToPixelsCPU(torch.autograd.Function):
         colors: Tensor,  # [E, D]
         opacities: Tensor,  # [E]
         backgrounds: Optional[Tensor],  # [C, D]
-        entry_cam: Tensor,  # [E]
         isects: Isects,
         batch: int,
         absgrad: bool,
         absgrad_target: Optional[Tensor],
     ) -> Tuple[Tensor, Tensor]:
         grid = isects.grid
-        dtype = means2d.dtype
+        dt = means2d.dtype
         E, D = colors.shape
         P = grid.P
-        px_all, py_all, inside = grid.pixel_centers(dtype, means2d.device)
+        k = _Consts(dt)
+        px_all, py_all, inside = grid.pixel_centers(dt, means2d.device)
         attr = torch.cat([means2d.t(), conics.t(), opacities[None]], 0).contiguous()  # [6, E]
-        cols = colors.contiguous()
+        colsT = colors.t().contiguous()  # [D, E]
+        risky_e = _risky_conics(conics)
+        any_risky = bool(risky_e.any())
 
-        T_pix = torch.ones(grid.n_tiles, P, dtype=dtype)
+        T_pix = torch.ones(grid.n_tiles, P, dtype=dt)
         done = ~inside
-        accum = torch.zeros(grid.n_tiles, P, D, dtype=dtype)
-        batches: List[_Batch] = []
-        arB = torch.arange(batch)
+        accum = torch.zeros(grid.n_tiles, D, P, dtype=dt)
+        steps: List[_Step] = []
 
+        # tiles with similar list lengths share steps, so a step's B fits them
         active = (isects.lengths > 0).nonzero().squeeze(1)
+        active = active[torch.sort(isects.lengths[active], stable=True).indices]
         per_step = max(1, _MAX_ELEMS // (P * batch))
-        for chunk in torch.split(active, per_step):
-            tid = chunk
+        for tid in torch.split(active, per_step) if len(active) else ():
+            start, length = isects.starts.index_select(0, tid), isects.lengths.index_select(0, tid)
+            px, py = px_all.index_select(0, tid), py_all.index_select(0, tid)
+            T_c, d_c = T_pix.index_select(0, tid), done.index_select(0, tid)
+            acc = torch.zeros(len(tid), D, P, dtype=dt)
             j0 = 0
-            T_c, d_c = T_pix[tid], done[tid]
-            acc = torch.zeros(len(tid), P, D, dtype=dtype)
-            start, length = isects.starts[tid], isects.lengths[tid]
-            px, py = px_all[tid], py_all[tid]
             while True:
-                jv = (j0 + arB)[None, :] < length[:, None]  # [T, B]
-                jj = torch.where(jv, start[:, None] + j0 + arB[None, :], 0)
-                ent = isects.entry[jj]  # [T, B]
-                g6 = attr.index_select(1, ent.view(-1)).view(6, len(tid), batch)
+                rem = int(length.max()) - j0
+                B = -(-rem // -(-rem // batch))  # balanced batches of at most `batch`
+                arB = torch.arange(j0, j0 + B)
+                jv = arB[None, :] < length[:, None]  # [T, B]
+                idx = torch.where(jv, start[:, None] + arB[None, :], 0).view(-1)
+                ent = isects.entry.index_select(0, idx)
+                g6 = attr.index_select(1, ent).view(6, len(tid), B)
                 g6[5].mul_(jv)  # padding slots: opacity 0 never passes alpha >= 1/255
-                cg = cols.index_select(0, ent.view(-1)).view(len(tid), batch, D)
-                b = _Batch(tid, ent, jv, g6, cg, T_c, d_c)
-                batches.append(b)
-                _, _, _, _, alpha_v, Tcat, stop, contrib = _alphas(b, px, py)
-                w = torch.where(contrib, alpha_v * Tcat[:, :, :batch], 0.0)
-                acc.baddbmm_(w, cg)
-                # T after this batch: value at the first stop (not composited) or at the end
-                k = (~stop).sum(2, keepdim=True)
-                T_c = Tcat.gather(2, k).squeeze(2)
-                d_c = d_c | stop[:, :, -1]
-                j0 += batch
+                cT = colsT.index_select(1, ent).view(D, len(tid), B).transpose(0, 1).contiguous()
+                risky = any_risky and bool(risky_e[ent].view(len(tid), B)[jv].any())
+                st = _Step(tid, torch.where(jv.view(-1), ent, E), g6, cT, T_c.masked_fill(d_c, 0.0), risky)
+                steps.append(st)
+                _, _, _, _, _, Tcat, ns, w = _alphas(st, px, py, k)
+                acc.baddbmm_(cT, w.transpose(1, 2))
+                # T after this step: at the first stopped entry (not composited) or after the last one
+                kk = ns.sum(2, keepdim=True).long()
+                T_c = torch.where(d_c, T_c, Tcat.gather(2, kk).squeeze(2))
+                d_c = d_c | (ns[:, :, -1] == 0)
+                j0 += B
                 alive = (length > j0) & ~d_c.all(1)
                 if bool(alive.all()):
                     continue
-                fin = ~alive
-                T_pix[tid[fin]] = T_c[fin]
-                done[tid[fin]] = d_c[fin]
-                accum[tid[fin]] = acc[fin]
-                if not bool(alive.any()):
+                fin = (~alive).nonzero().squeeze(1)
+                tf = tid.index_select(0, fin)
+                T_pix.index_copy_(0, tf, T_c.index_select(0, fin))
+                done.index_copy_(0, tf, d_c.index_select(0, fin))
+                accum.index_copy_(0, tf, acc.index_select(0, fin))
+                if len(fin) == len(tid):
                     break
-                tid, T_c, d_c, acc = tid[alive], T_c[alive], d_c[alive], acc[alive]
-                start, length, px, py = start[alive], length[alive], px[alive], py[alive]
+                keep = alive.nonzero().squeeze(1)
+                tid, T_c, d_c, acc = (v.index_select(0, keep) for v in (tid, T_c, d_c, acc))
+                start, length, px, py = (v.index_select(0, keep) for v in (start, length, px, py))
 
+        out_t = accum.transpose(1, 2)
         bg_t = None
         if backgrounds is not None:
-            bg_t = backgrounds.to(dtype)[torch.arange(grid.n_cameras).repeat_interleave(grid.tiles_per_cam)]
-            out_t = accum + T_pix[:, :, None] * bg_t[:, None, :]
-        else:
-            out_t = accum
+            bg_t = backgrounds.to(dt)[torch.arange(grid.n_cameras).repeat_interleave(grid.tiles_per_cam)]
+            out_t = out_t + T_pix[:, :, None] * bg_t[:, None, :]
         render_colors = grid.tiles_to_image(out_t).contiguous()
         render_alphas = grid.tiles_to_image((1.0 - T_pix)[:, :, None]).contiguous()
 
-        ctx.isects, ctx.batches, ctx.batch = isects, batches, batch
+        ctx.isects, ctx.steps, ctx.consts = isects, steps, k
         ctx.absgrad, ctx.absgrad_target = absgrad, absgrad_target
         ctx.E, ctx.D = E, D
         ctx.has_bg = backgrounds is not None
-        ctx.save_for_backward(T_pix, bg_t if bg_t is not None else torch.empty(0), render_alphas)
+        ctx.save_for_backward(
+            T_pix, bg_t if bg_t is not None else torch.empty(0), render_alphas, conics.detach(), opacities.detach()
+        )
         return render_colors, render_alphas
 
     @staticmethod
     def backward(ctx, v_colors: Tensor, v_alphas: Tensor):
-        T_pix, bg_t, render_alphas = ctx.saved_tensors
-        isects, batch = ctx.isects, ctx.batch
-        grid = isects.grid
-        dtype = T_pix.dtype
+        T_pix, bg_t, render_alphas, conics, opacities = ctx.saved_tensors
+        grid = ctx.isects.grid
+        k = ctx.consts
+        dt = T_pix.dtype
         E, D = ctx.E, ctx.D
-        px_all, py_all, _ = grid.pixel_centers(dtype, T_pix.device)
+        px_all, py_all, _ = grid.pixel_centers(dt, T_pix.device)
 
-        G = grid.image_to_tiles(v_colors.to(dtype))  # [n_tiles, P, D]
-        gA = grid.image_to_tiles(v_alphas.to(dtype))[:, :, 0]  # [n_tiles, P]
+        G = grid.image_to_tiles(v_colors.to(dt)).contiguous()  # [n_tiles, P, D]
+        gA = grid.image_to_tiles(v_alphas.to(dt))[:, :, 0]  # [n_tiles, P]
         if ctx.has_bg:
-            bgg = (G * bg_t[:, None, :]).sum(2)
-            Q = T_pix * (gA - bgg)
+            Q = T_pix * (gA - (G * bg_t[:, None, :]).sum(2))
         else:
             Q = T_pix * gA
         carry = torch.zeros_like(T_pix)  # per pixel: sum over deeper entries of w_j (c_j . g)
 
         n_rows = 8 if ctx.absgrad else 6
-        acc = torch.zeros(n_rows, E + 1, dtype=dtype)  # last column: sink for padding slots
-        acc_c = torch.zeros(E + 1, D, dtype=dtype)
+        acc = torch.zeros(n_rows, E + 1, dtype=dt)  # last column: sink for padding slots
+        acc_c = torch.zeros(D, E + 1, dtype=dt)
 
-        for b in reversed(ctx.batches):
-            tid = b.tid
-            Tn = len(tid)
-            px, py = px_all[tid], py_all[tid]
-            dx, dy, vis, ov, alpha_v, Tcat, stop, contrib = _alphas(b, px, py)
-            T_before = Tcat[:, :, :batch]
-            w = torch.where(contrib, alpha_v * T_before, 0.0)
-            g = G[tid]  # [T, P, D]
-            cgd = torch.bmm(g, b.cols.transpose(1, 2))  # [T, P, B]: c_j . g
-            wcg = w * cgd
+        for st in reversed(ctx.steps):
+            tid = st.tid
+            Tn, B = st.g6.shape[1], st.g6.shape[2]
+            sh = (Tn, grid.P, B)
+            dx, dy, vis, ov, alpha, Tcat, ns, w = _alphas(st, px_all.index_select(0, tid), py_all.index_select(0, tid), k)
+            g = G.index_select(0, tid)  # [T, P, D]
+            cg = torch.bmm(g, st.cT, out=_WS.get("cg", sh, dt))  # c_j . g per pixel
+            wcg = torch.mul(w, cg, out=_WS.get("wcg", sh, dt))
             tot = wcg.sum(2)
-            S = (tot + carry[tid])[:, :, None] - torch.cumsum(wcg, 2)  # sum over deeper entries
-            carry[tid] += tot
-            ra = 1.0 / (1.0 - alpha_v)
-            v_alpha = T_before * cgd + (Q[tid][:, :, None] - S) * ra
-            m = contrib & (ov <= 0.999)  # gsplat: no alpha gradient where clamped to 0.999
-            vs = torch.where(m, -ov * v_alpha, 0.0)  # dL/dpower
-            vdx, vdy = vs * dx, vs * dy
-            mx, my, ca, cb, cc, op = b.g6.unbind(0)
-            Sx, Sy = vdx.sum(1), vdy.sum(1)  # [T, B]
-            rows = [
-                ca * Sx + cb * Sy,  # dL/dmean_x
-                cb * Sx + cc * Sy,  # dL/dmean_y
-                0.5 * (vdx * dx).sum(1),  # dL/dconic_a
-                (vdx * dy).sum(1),  # dL/dconic_b
-                0.5 * (vdy * dy).sum(1),  # dL/dconic_c
-                torch.where(m, vis * v_alpha, 0.0).sum(1),  # dL/dopacity
-            ]
+            c_old = carry.index_select(0, tid)
+            carry.index_copy_(0, tid, c_old + tot)
+            # Q - S_j, with S_j = sum over deeper entries of w (c . g) = (tot + carry) - prefix_j
+            qs = torch.cumsum(wcg, 2, out=_WS.get("qs", sh, dt))
+            qs.add_((Q.index_select(0, tid) - tot - c_old)[:, :, None])
+            ra = torch.neg(alpha, out=_WS.get("ra", sh, dt)).add_(1.0).reciprocal_()
+            va = torch.mul(Tcat[:, :, :B], cg, out=cg).addcmul_(qs, ra)  # dL/dalpha
+            # gradient only where composited and not clamped at 0.999 (gsplat: o * vis <= 0.999)
+            uc = torch.neg(ov, out=ra).add_(k.unclamped_next).mul_(_BIG).clamp_(0.0, 1.0)
+            nv = va.mul_(alpha).mul_(ns).mul_(uc)  # = -dL/dpower
+            t1 = torch.mul(nv, dx, out=_WS.get("t1", sh, dt))
+            t2 = torch.mul(nv, dy, out=_WS.get("t2", sh, dt))
+            rows = _WS.get("rows", (n_rows, Tn, B), dt)
             if ctx.absgrad:
-                rows.append((ca[:, None, :] * vdx + cb[:, None, :] * vdy).abs().sum(1))
-                rows.append((cb[:, None, :] * vdx + cc[:, None, :] * vdy).abs().sum(1))
-            idx = torch.where(b.jv, b.ent, E).view(-1)
-            acc.index_add_(1, idx, torch.stack(rows, 0).view(n_rows, -1))
-            acc_c.index_add_(0, idx, torch.bmm(w.transpose(1, 2), g).view(Tn * batch, D))
+                ca, cb, cc = (v[:, None, :] for v in st.g6[2:5].unbind(0))
+                u = _WS.get("u", sh, dt)
+                torch.sum(torch.mul(t1, ca, out=u).addcmul_(t2, cb).abs_(), 1, out=rows[6])
+                torch.sum(torch.mul(t1, cb, out=u).addcmul_(t2, cc).abs_(), 1, out=rows[7])
+            torch.sum(t1, 1, out=rows[0])
+            torch.sum(t2, 1, out=rows[1])
+            torch.sum(torch.mul(t1, dy, out=ov), 1, out=rows[3])
+            torch.sum(t1.mul_(dx), 1, out=rows[2])
+            torch.sum(t2.mul_(dy), 1, out=rows[4])
+            torch.sum(nv, 1, out=rows[5])
+            acc.index_add_(1, st.idx, rows.view(n_rows, -1))
+            vc = torch.bmm(g.transpose(1, 2), w)  # [T, D, B]: sum over pixels of w g
+            acc_c.index_add_(1, st.idx, vc.transpose(0, 1).reshape(D, -1))
 
-        v_means2d = acc[0:2, :E].t()
-        v_conics = acc[2:5, :E].t()
-        v_opac = acc[5, :E]
-        v_cols = acc_c[:E]
+        # per-entry rows -> gradients: power's gradient is linear in the entry's conic and opacity
+        ca, cb, cc = conics.unbind(1)
+        sx, sy = acc[0, :E], acc[1, :E]
+        v_means2d = torch.stack([-(ca * sx + cb * sy), -(cb * sx + cc * sy)], 1)
+        v_conics = torch.stack([-0.5 * acc[2, :E], -acc[3, :E], -0.5 * acc[4, :E]], 1)
+        v_opac = acc[5, :E] / torch.where(opacities > 0, opacities, torch.ones_like(opacities))
+        v_cols = acc_c[:, :E].t()
         if ctx.absgrad and ctx.absgrad_target is not None:
             ctx.absgrad_target.absgrad = acc[6:8, :E].t().reshape(ctx.absgrad_target.shape)
         v_bg = None
         if ctx.has_bg and ctx.needs_input_grad[4]:
             v_bg = (v_colors * (1.0 - render_alphas)).sum(dim=(1, 2))
-        return v_means2d, v_conics, v_cols, v_opac, v_bg, None, None, None, None, None
+        return v_means2d, v_conics, v_cols, v_opac, v_bg, None, None, None, None

@@ -139,7 +139,6 @@ def rasterization_cpu(
         cols.reshape(-1, D),
         opac.reshape(-1),
         backgrounds,
-        entry_cam,
         isects,
         batch,
         absgrad,

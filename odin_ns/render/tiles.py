@@ -168,17 +168,26 @@ def build_isects(
     ny = (sy1 - sy0 + 1).clamp_min(0)
     cnt = torch.where((x1 >= x0) & (y1 >= y0), nx * ny, torch.zeros_like(nx))
 
-    n = int(cnt.sum())
-    rep = torch.repeat_interleave(torch.arange(len(ids), device=device), cnt, output_size=n)
-    first = torch.cumsum(cnt, 0) - cnt
-    local = torch.arange(n, device=device) - first[rep]
-    nxr = nx[rep]
-    sx = sx0[rep] + local % nxr
-    sy = sy0[rep] + torch.div(local, nxr, rounding_mode="floor")
-    tile = entry_cam[ids][rep] * grid.tiles_per_cam + sy * grid.tiles_x + sx
-    key = tile.int() if grid.n_tiles < 2**31 else tile
-    perm = torch.sort(key, stable=True).indices
-    entry = ids[rep[perm]]
+    # Enumerate (entry, sub-tile) pairs in two levels, so the big level only repeats values (no gathers):
+    # rows of sub-tiles per entry, then the consecutive tile ids along each row.
+    keep = cnt > 0
+    ids, nx, ny = ids[keep], nx[keep], ny[keep]
+    base = entry_cam[ids] * grid.tiles_per_cam + sy0[keep] * grid.tiles_x + sx0[keep]  # top-left sub-tile
+    n_rows = int(ny.sum())
+    row_first = torch.cumsum(ny, 0) - ny
+    row_j = torch.arange(n_rows, device=device) - torch.repeat_interleave(row_first, ny, output_size=n_rows)
+    row_tile0 = torch.repeat_interleave(base, ny, output_size=n_rows) + row_j * grid.tiles_x
+    row_nx = torch.repeat_interleave(nx, ny, output_size=n_rows)
+    row_ent = torch.repeat_interleave(ids, ny, output_size=n_rows)
+    n = int(row_nx.sum())
+    isect_first = torch.cumsum(row_nx, 0) - row_nx
+    idt = torch.int32 if grid.n_tiles + n < 2**31 else torch.int64
+    tile = torch.repeat_interleave((row_tile0 - isect_first).to(idt), row_nx, output_size=n)
+    tile += torch.arange(n, device=device, dtype=idt)
+    ent = torch.repeat_interleave(row_ent, row_nx, output_size=n)
+    # stable: within a tile, entries stay in depth order
+    perm = torch.sort(tile, stable=True).indices
+    entry = ent.index_select(0, perm)
     lengths = torch.bincount(tile, minlength=grid.n_tiles)
     starts = torch.cumsum(lengths, 0) - lengths
     return Isects(grid=grid, entry=entry, starts=starts, lengths=lengths)

@@ -28,6 +28,8 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.sharded import GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
+from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
+from odin_ns.runtime.transport import exchange
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
 from odin_ns.scene.blocks import block_bounds, build_layout
@@ -73,6 +75,8 @@ class OdinEngine:
                                      micro_batch=micro_batch,
                                      seed=datamanager.config.train_cameras_sampling_seed)
         self.num_rest = num_sh_bases(model.config.sh_degree) - 1
+        self.block_size = block_size
+        self.param_names = PARAM_NAMES
         self._projections: Dict[Tuple[int, int], Tuple] = {}
         self._shard_initial_model(block_size)
         model.engine = self
@@ -83,9 +87,16 @@ class OdinEngine:
     def _shard_initial_model(self, block_size: int) -> None:
         """Cut the (identical on every rank) initial model into Morton blocks and keep this rank's share."""
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-        layout = build_layout(params["means"], torch.exp(params["scales"]), block_size=block_size)
-        order = layout.order.to(params["means"].device)
-        ordered = {n: p[order] for n, p in params.items()}
+        for n, value in self._shard_full(params, block_size).items():
+            self.model.gauss_params[n] = torch.nn.Parameter(value)
+        self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
+
+    def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int) -> Dict[str, torch.Tensor]:
+        """Lay the whole model out in Morton blocks, assign owners, build the table; this rank's rows of every
+        tensor in `full` (parameters, or anything else with one row per Gaussian)."""
+        layout = build_layout(full["means"], torch.exp(full["scales"]), block_size=block_size)
+        order = layout.order.to(full["means"].device)
+        ordered = {n: p[order] for n, p in full.items()}
         ownership = assign_contiguous(layout.counts.numpy().astype(float), self.env.world_size)
         owner = torch.as_tensor(ownership.owner, dtype=torch.int64)
         counts = layout.counts.clone()
@@ -93,9 +104,28 @@ class OdinEngine:
         lo, hi, _, _, max_scale = block_bounds(ordered["means"], torch.exp(ordered["scales"]), block_of, len(counts))
         self.table = BlockTable(owner=owner, count=counts, lo=lo, hi=hi, max_scale=max_scale,
                                 version=torch.zeros(len(counts), dtype=torch.int64))
-        mine = (owner[block_of] == self.env.rank).to(params["means"].device)
+        mine = (owner[block_of] == self.env.rank).to(full["means"].device)
+        return {n: t[mine].contiguous() for n, t in ordered.items()}
+
+    @torch.no_grad()
+    def adopt_full_model(self, moments: Dict[str, Dict[str, torch.Tensor]], optimizers) -> None:
+        """After a checkpoint loaded the whole model into every rank: re-shard it (any rank count) with its moments.
+
+        `moments[name]` holds "exp_avg"/"exp_avg_sq" of the whole model and "step" (one number)."""
+        full = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
         for n in PARAM_NAMES:
-            self.model.gauss_params[n] = torch.nn.Parameter(ordered[n][mine].contiguous())
+            for key in ("exp_avg", "exp_avg_sq"):
+                full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n]))
+        mine = self._shard_full(full, self.block_size)
+        for n in PARAM_NAMES:
+            optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
+            self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)
+            step = moments.get(n, {}).get("step")
+            if step is not None:
+                optimizers.optimizers[n].state[self.model.gauss_params[n]]["step"] = torch.as_tensor(
+                    step, dtype=torch.float32).clone()
+        for k in STATE_KEYS:
+            self.model.strategy_state[k] = None
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
 
     # ---- one step -------------------------------------------------------------------------------------------
@@ -159,6 +189,7 @@ class OdinEngine:
         optimizers.scheduler_step_all(step)
         self._refine(step, optimizers)
         record.gaussians_owned = int(model.gauss_params["means"].shape[0])
+        record.blocks_total = self.table.num_blocks
         return loss, loss_dict, metrics_dict
 
     def _contribution(self, leaves: Dict[str, torch.Tensor], info: Dict) -> torch.Tensor:
@@ -248,6 +279,8 @@ class OdinEngine:
             if reset:
                 self._reset_opacities(strategy.prune_opa * 2.0, optimizers)
             self._publish(torch.ones(model.gauss_params["means"].shape[0], dtype=torch.bool))
+            if grow:
+                self._rebuild_blocks(optimizers)
             if grow and self.env.rank == 0:
                 CONSOLE.log(f"Step {step}: {int(self.table.count.sum())} Gaussians in {self.table.num_blocks} blocks")
 
@@ -264,6 +297,84 @@ class OdinEngine:
         model.strategy_state.update(new_state)
         ids = sorted(ranges)
         self.table.count[ids] = torch.tensor(counts, dtype=torch.int64)
+
+    def _rebuild_blocks(self, optimizers) -> None:
+        """Cut grown blocks, drop empty ones, rebalance and move blocks (see runtime.rebuild); then sync."""
+        table, me, R = self.table, self.env.rank, self.env.world_size
+        plan = plan_rebuild(table.count.numpy(), self.block_size)
+        if not plan.changed:
+            return
+        owner = new_ownership(plan, table.owner.numpy(), R)
+        cube = global_cube(table.lo, table.hi, table.count)
+        ranges = table.owned_ranges(me)
+        rows = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        for key in ("exp_avg", "exp_avg_sq"):
+            for n in PARAM_NAMES:
+                st = optimizers.optimizers[n].state.get(self.model.gauss_params[n], {})
+                rows[f"{key}:{n}"] = st.get(key, torch.zeros_like(rows[n]))
+        for k, v in self.model.strategy_state.items():
+            if isinstance(v, torch.Tensor) and v.shape[0] == rows["means"].shape[0]:
+                rows[f"state:{k}"] = v
+        # this rank's pieces of the new blocks, cut from the old blocks it owns
+        held: Dict[int, Dict[str, torch.Tensor]] = {}
+        new_id = 0
+        for b, k in enumerate(plan.pieces.tolist()):
+            if b in ranges and k:
+                s0, s1 = ranges[b]
+                block = {name: t[s0:s1] for name, t in rows.items()}
+                order = (morton_within(block["means"], cube) if k > 1
+                         else torch.arange(s1 - s0, device=block["means"].device))
+                for j, piece in enumerate(cut_rows(block, order, piece_sizes(s1 - s0, k))):
+                    held[new_id + j] = piece
+            new_id += k
+        # blocks whose owner changes travel (values unchanged), then each rank keeps its own in id order
+        names = sorted(rows)
+        widths = {name: rows[name].reshape(rows[name].shape[0], -1).shape[1] for name in names}
+        holder = table.owner.numpy()[plan.parent]
+        sends, shapes, incoming = {}, {}, {}
+        for j in range(len(plan.parent)):
+            src, dst = int(holder[j]), int(owner[j])
+            if src == dst:
+                continue
+            if src == me:
+                packed = torch.cat([held[j][n].reshape(int(plan.sizes[j]), -1).float() for n in names], dim=1)
+                sends.setdefault(dst, []).append(packed)
+                del held[j]
+            elif dst == me:
+                incoming.setdefault(src, []).append(j)
+        total = sum(widths.values())
+        for src, ids in incoming.items():
+            shapes[src] = (int(plan.sizes[ids].sum()), total)
+        received = exchange({d: torch.cat(v) for d, v in sends.items()}, shapes, torch.float32, self.device,
+                            self.log, "phase")
+        for src, ids in incoming.items():
+            start = 0
+            for j in ids:
+                n = int(plan.sizes[j])
+                chunk, col = received[src][start:start + n], 0
+                held[j] = {}
+                for name in names:
+                    w = widths[name]
+                    held[j][name] = chunk[:, col:col + w].reshape((n,) + tuple(rows[name].shape[1:])).to(
+                        rows[name].dtype)
+                    col += w
+                start += n
+        mine = [j for j in range(len(plan.parent)) if int(owner[j]) == me]
+        joined = {name: (torch.cat([held[j][name] for j in mine]) if mine else rows[name][:0]) for name in names}
+        for n in PARAM_NAMES:
+            self._replace_param(n, joined[n], {key: joined[f"{key}:{n}"] for key in ("exp_avg", "exp_avg_sq")},
+                                optimizers)
+        for k in list(self.model.strategy_state):
+            if f"state:{k}" in joined:
+                self.model.strategy_state[k] = joined[f"state:{k}"]
+        B = len(plan.parent)
+        self.table = BlockTable(owner=torch.as_tensor(owner, dtype=torch.int64),
+                                count=torch.as_tensor(plan.sizes, dtype=torch.int64),
+                                lo=torch.zeros(B, 3), hi=torch.zeros(B, 3), max_scale=torch.zeros(B),
+                                version=torch.zeros(B, dtype=torch.int64))
+        self.sharded.table = self.table
+        self.sharded.drop_all()
+        self._publish(torch.ones(self.model.gauss_params["means"].shape[0], dtype=torch.bool))
 
     def _reset_opacities(self, value: float, optimizers) -> None:
         """gsplat's `reset_opa`: clamp opacities, zero their moments (elementwise, so shard-independent)."""
