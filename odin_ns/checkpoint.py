@@ -50,6 +50,7 @@ def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
     optimizers = {}
     for group, optimizer in trainer.optimizers.optimizers.items():
         state = optimizer.state_dict()
+        state["state"] = {k: dict(v) for k, v in state["state"].items()}  # state_dict() shares the live dicts
         if group in moments:
             for key, value in moments[group].items():
                 state["state"].setdefault(0, {})[key] = value

@@ -1,0 +1,87 @@
+"""A rank that dies takes the job down within seconds, names itself, and leaves the last checkpoint loadable.
+
+Real processes: `odin-train` starts torchrun, torchrun starts the gloo ranks; the test kills one of them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from conftest import FAST_TRAINING, TINY_CITY
+
+
+def start_long_run(out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", "2", "odin-barrier", "--output-dir", str(out),
+           *FAST_TRAINING, "--max-num-iterations", "100000", "--steps-per-save", "5",
+           "--pipeline.model.stop-split-at", "0", *TINY_CITY]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def workers(launcher: subprocess.Popen):
+    """{rank: process} of the ranks under a launcher."""
+    found = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "odin_ns.cli.worker" in " ".join(child.cmdline()):
+                found[int(child.environ()["RANK"])] = child
+        except (psutil.NoSuchProcess, KeyError):
+            continue
+    return found
+
+
+def wait_for_checkpoints(out: Path, launcher: subprocess.Popen, count: int, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+        if len(glob.glob(str(out / "**" / "step-*.ckpt"), recursive=True)) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError("training never wrote its checkpoints")
+
+
+def test_killed_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
+    launcher = start_long_run(tmp_path)
+    try:
+        wait_for_checkpoints(tmp_path, launcher, 2)
+        ranks = workers(launcher)
+        assert set(ranks) == {0, 1}
+        ranks[1].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        _, stderr = launcher.communicate(timeout=60)
+        took = time.time() - killed_at
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert took < 30, f"the job took {took:.0f} s to stop"
+    assert "rank 1 failed" in stderr, stderr[-3000:]
+    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
+    for path in sorted(glob.glob(str(tmp_path / "**" / "step-*.ckpt"), recursive=True)):
+        state = torch.load(path, map_location="cpu")  # every checkpoint left is complete and loadable
+        assert state["pipeline"]["_model.gauss_params.means"].shape[0] > 0
+
+
+def test_ranks_die_with_their_launcher(tmp_path):
+    launcher = start_long_run(tmp_path)
+    try:
+        wait_for_checkpoints(tmp_path, launcher, 1)
+        ranks = workers(launcher)
+        torchrun = [p for p in psutil.Process(launcher.pid).children()
+                    if "torch.distributed.run" in " ".join(p.cmdline())]
+        assert len(torchrun) == 1 and len(ranks) == 2
+        torchrun[0].send_signal(signal.SIGKILL)  # torchrun does not stop its workers when it is killed itself
+        gone, alive = psutil.wait_procs(list(ranks.values()), timeout=20)
+        assert not alive, f"ranks still running after their launcher died: {[p.pid for p in alive]}"
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
