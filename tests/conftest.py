@@ -36,6 +36,7 @@ FAST_TRAINING = [
     "--pipeline.model.refine-every", "5",
     "--pipeline.model.reset-alpha-every", "100",
     "--pipeline.model.densify-grad-thresh", "0.0008",
+    "--pipeline.model.stop-screen-size-at", "0",  # screen-size splits: 5% of a 48-pixel image is 2 pixels
     "--pipeline.block-size", "256",
 ]
 

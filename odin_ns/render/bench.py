@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from typing import List, Optional, Sequence
@@ -44,6 +45,27 @@ def make_scene(n: int, width: int, height: int, seed: int = 0, sh_degree: int = 
     target = torch.rand(1, height, width, 3, generator=g)
     return dict(means=means, quats=quats, scales=scales, opacities=opacities, colors=sh, viewmats=viewmats,
                 Ks=Ks, width=width, height=height, sh_degree=sh_degree, target=target)
+
+
+def _cpu_jiffies():
+    """(busy jiffies of the whole machine, jiffies of this process); None where /proc is unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            mine = f.read().rsplit(")", 1)[1].split()
+        return sum(vals) - vals[3] - vals[4], int(mine[11]) + int(mine[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _others_share(before, after, wall: float, threads: int) -> Optional[float]:
+    """Fraction of `threads` cores that other processes used meanwhile (the machine may be shared)."""
+    if before is None or after is None or wall <= 0:
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / hz / (wall * max(1, threads)))
 
 
 def fwd_bwd(scene, **kw) -> float:
@@ -82,10 +104,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
         n, w, h = (int(v) for v in size.split("x"))
         scene = make_scene(n, w, h)
         fwd_bwd(scene, **kw)  # warm-up
+        j0, t0 = _cpu_jiffies(), time.perf_counter()
         times = [fwd_bwd(scene, **kw) for _ in range(args.repeats)]
+        others = _others_share(j0, _cpu_jiffies(), time.perf_counter() - t0, args.threads)
         med = statistics.median(times)
         rows.append(dict(size=size, n=n, width=w, height=h, median_s=med, min_s=min(times), max_s=max(times),
-                         prototype_s=PROTOTYPE_S.get(size)))
+                         prototype_s=PROTOTYPE_S.get(size), others_cpu=others))
         if args.profile:
             from torch.profiler import profile
 
@@ -98,16 +122,22 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
         from rich.table import Table
 
         table = Table(title=f"odin_ns.render CPU rasterizer, forward+backward, {args.threads} threads")
-        for col in ("Gaussians", "image", "median s", "min s", "max s", "prototype s", "speed-up", "goal s"):
-            table.add_column(col, justify="right")
+        cols = ("Gaussians", "image", "median s", "min s", "max s", "prototype s", "speed-up", "goal s",
+                "others' CPU")
+        for col in cols:
+            table.add_column(col, justify="right", no_wrap=True)
         for r in rows:
             proto = r["prototype_s"]
             table.add_row(
                 f"{r['n']:,}", f"{r['width']}x{r['height']}", f"{r['median_s']:.3f}", f"{r['min_s']:.3f}",
                 f"{r['max_s']:.3f}", f"{proto:.2f}" if proto else "-",
                 f"{proto / r['median_s']:.1f}x" if proto else "-", f"{proto / 2:.3f}" if proto else "-",
+                "-" if r["others_cpu"] is None else f"{100 * r['others_cpu']:.0f}%",
             )
-        Console().print(table)
+        Console(width=140).print(table)
+        if any((r["others_cpu"] or 0) > 0.1 for r in rows):
+            print("note: other processes used the CPUs during the run; with OpenMP threads competing for cores,"
+                  " times can be several times slower than on an idle machine")
     except ImportError:  # rich is a nerfstudio dependency; plain text otherwise
         for r in rows:
             print(r)

@@ -42,6 +42,14 @@ _BIG = 1e30
 class _Consts:
     """gsplat's thresholds as the comparisons see them in the working dtype."""
 
+    _cache: dict = {}
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> "_Consts":
+        if dtype not in cls._cache:
+            cls._cache[dtype] = cls(dtype)
+        return cls._cache[dtype]
+
     def __init__(self, dtype: torch.dtype) -> None:
         def t(v):
             return torch.tensor(v, dtype=dtype)
@@ -120,12 +128,6 @@ def _alphas(st: _Step, px: Tensor, py: Tensor, k: _Consts):
     return dx, dy, vis, ov, alpha, Tcat, ns, w
 
 
-def _risky_conics(conics: Tensor) -> Tensor:
-    """Entries whose power can round below 0 (a, c > 0 and det >= 1e-4 a c rule it out, see composite notes)."""
-    a, b, c = conics.unbind(1)
-    return ~((a > 0) & (c > 0) & (a * c - b * b >= 1e-4 * a * c))
-
-
 class RasterizeToPixelsCPU(torch.autograd.Function):
     """Same contract as gsplat's `_RasterizeToPixels`, on flattened entries [E, ...] -> [C, H, W, D|1]."""
 
@@ -146,12 +148,11 @@ class RasterizeToPixelsCPU(torch.autograd.Function):
         dt = means2d.dtype
         E, D = colors.shape
         P = grid.P
-        k = _Consts(dt)
+        k = _Consts.of(dt)
+        keep_steps = any(ctx.needs_input_grad[:5])
         px_all, py_all, inside = grid.pixel_centers(dt, means2d.device)
         attr = torch.cat([means2d.t(), conics.t(), opacities[None]], 0).contiguous()  # [6, E]
         colsT = colors.t().contiguous()  # [D, E]
-        risky_e = _risky_conics(conics)
-        any_risky = bool(risky_e.any())
 
         T_pix = torch.ones(grid.n_tiles, P, dtype=dt)
         done = ~inside
@@ -178,9 +179,10 @@ class RasterizeToPixelsCPU(torch.autograd.Function):
                 g6 = attr.index_select(1, ent).view(6, len(tid), B)
                 g6[5].mul_(jv)  # padding slots: opacity 0 never passes alpha >= 1/255
                 cT = colsT.index_select(1, ent).view(D, len(tid), B).transpose(0, 1).contiguous()
-                risky = any_risky and bool(risky_e[ent].view(len(tid), B)[jv].any())
+                risky = isects.risky is not None and bool(isects.risky.index_select(0, ent).any())
                 st = _Step(tid, torch.where(jv.view(-1), ent, E), g6, cT, T_c.masked_fill(d_c, 0.0), risky)
-                steps.append(st)
+                if keep_steps:
+                    steps.append(st)
                 _, _, _, _, _, Tcat, ns, w = _alphas(st, px, py, k)
                 acc.baddbmm_(cT, w.transpose(1, 2))
                 # T after this step: at the first stopped entry (not composited) or after the last one
@@ -189,15 +191,19 @@ class RasterizeToPixelsCPU(torch.autograd.Function):
                 d_c = d_c | (ns[:, :, -1] == 0)
                 j0 += B
                 alive = (length > j0) & ~d_c.all(1)
-                if bool(alive.all()):
-                    continue
+                n_alive = int(alive.sum())
+                if n_alive == 0:
+                    T_pix.index_copy_(0, tid, T_c)
+                    done.index_copy_(0, tid, d_c)
+                    accum.index_copy_(0, tid, acc)
+                    break
+                if n_alive > 0.8 * len(tid):
+                    continue  # finished tiles ride along (they no longer change) until enough are done
                 fin = (~alive).nonzero().squeeze(1)
                 tf = tid.index_select(0, fin)
                 T_pix.index_copy_(0, tf, T_c.index_select(0, fin))
                 done.index_copy_(0, tf, d_c.index_select(0, fin))
                 accum.index_copy_(0, tf, acc.index_select(0, fin))
-                if len(fin) == len(tid):
-                    break
                 keep = alive.nonzero().squeeze(1)
                 tid, T_c, d_c, acc = (v.index_select(0, keep) for v in (tid, T_c, d_c, acc))
                 start, length, px, py = (v.index_select(0, keep) for v in (start, length, px, py))

@@ -95,7 +95,7 @@ def rasterization_cpu(
     if sh_degree is None:
         cols = colors.expand(C, -1, -1) if colors.dim() == 2 else colors  # [C, N, D]
     else:
-        cols = sh_colors(sh_degree, colors, means, viewmats)  # [C, N, 3]
+        cols = sh_colors(sh_degree, colors, means, viewmats, radii > 0)  # [C, N, 3]
 
     if render_mode in ["RGB+D", "RGB+ED"]:
         cols = torch.cat((cols, depths[..., None]), dim=-1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -83,6 +84,7 @@ class Isects:
     entry: Tensor  # [I] int64
     starts: Tensor  # [n_tiles] int64
     lengths: Tensor  # [n_tiles] int64
+    risky: Optional[Tensor] = None  # [E] bool, entries whose power may round below 0 (None: no such entry)
 
 
 def _depth_sort_key(depths: Tensor) -> Tensor:
@@ -92,6 +94,17 @@ def _depth_sort_key(depths: Tensor) -> Tensor:
     if depths.dtype == torch.float64:
         return depths.contiguous().view(torch.int64)
     return depths.float().contiguous().view(torch.int32)
+
+
+def risky_conics(conics: Tensor) -> Tensor:
+    """Conics whose power 0.5 (a dx^2 + c dy^2) + b dx dy may round below 0 (gsplat then skips the pixel).
+
+    With a, c > 0 and b^2 <= (1 - 10 u)^2 a c (u = unit roundoff) the rounded power cannot be negative, since
+    0.5 (a dx^2 + c dy^2) >= sqrt(a c) |dx dy|; det >= 1e-4 a c is far inside that. Only near-singular conics
+    (needle-like splats) need the explicit check.
+    """
+    a, b, c = conics.unbind(1)
+    return ~((a > 0) & (c > 0) & (a * c - b * b >= 1e-4 * a * c))
 
 
 def _alpha_extent(conics: Tensor, opacities: Tensor):
@@ -190,7 +203,12 @@ def build_isects(
     entry = ent.index_select(0, perm)
     lengths = torch.bincount(tile, minlength=grid.n_tiles)
     starts = torch.cumsum(lengths, 0) - lengths
-    return Isects(grid=grid, entry=entry, starts=starts, lengths=lengths)
+    risky = None
+    r = risky_conics(conics.index_select(0, ids))
+    if bool(r.any()):
+        risky = torch.zeros(len(means2d), dtype=torch.bool, device=device)
+        risky[ids[r]] = True
+    return Isects(grid=grid, entry=entry, starts=starts, lengths=lengths, risky=risky)
 
 
 @torch.no_grad()

@@ -183,6 +183,7 @@ class OdinEngine:
                 loss_dict = model.get_loss_dict(outputs, batch, metrics_dict)
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
+                record.loss += float(loss.detach()) / len(views)
                 mine.append(self._contribution(leaves, model.info))
                 model.render_params = None
         self._update_owners(step, reads, mine, optimizers)

@@ -28,13 +28,14 @@ class StepRecord:
     gaussians_replicated: int = 0
     blocks_read: int = 0
     blocks_total: int = 0
+    loss: float = 0.0
 
     def to_dict(self) -> dict:
         return {
             "step": self.step, "rank": self.rank, "views": self.views, "compute_s": self.compute_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
-            "blocks_read": self.blocks_read, "blocks_total": self.blocks_total,
+            "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
         }
 
 
