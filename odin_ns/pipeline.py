@@ -29,7 +29,7 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     model: OdinModelConfig = field(default_factory=OdinModelConfig)
     policy: Literal["quality", "throughput", "barrier"] = "quality"
     """Synchronization across ranks: quality-first (odin), throughput-first, or a global barrier every step."""
-    block_size: int = 2048
+    block_size: int = 512
     """Gaussians per block: the unit of ownership, versioning and transfer (Morton order runs)."""
     micro_batch: int = 1
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""

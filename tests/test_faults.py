@@ -39,11 +39,13 @@ def workers(launcher: subprocess.Popen):
     return found
 
 
-def wait_for_checkpoints(out: Path, launcher: subprocess.Popen, count: int, timeout: float = 300):
+def wait_for_checkpoint(out: Path, launcher: subprocess.Popen, step: int, timeout: float = 300):
+    """Until a checkpoint of at least `step` exists (nerfstudio keeps only the latest one)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert launcher.poll() is None, launcher.stderr.read()[-3000:]
-        if len(glob.glob(str(out / "**" / "step-*.ckpt"), recursive=True)) >= count:
+        names = glob.glob(str(out / "**" / "step-*.ckpt"), recursive=True)
+        if any(int(Path(n).stem.split("-")[1]) >= step for n in names):
             return
         time.sleep(0.2)
     raise AssertionError("training never wrote its checkpoints")
@@ -52,7 +54,7 @@ def wait_for_checkpoints(out: Path, launcher: subprocess.Popen, count: int, time
 def test_killed_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
     launcher = start_long_run(tmp_path)
     try:
-        wait_for_checkpoints(tmp_path, launcher, 2)
+        wait_for_checkpoint(tmp_path, launcher, 10)
         ranks = workers(launcher)
         assert set(ranks) == {0, 1}
         ranks[1].send_signal(signal.SIGKILL)
@@ -74,7 +76,7 @@ def test_killed_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
 def test_ranks_die_with_their_launcher(tmp_path):
     launcher = start_long_run(tmp_path)
     try:
-        wait_for_checkpoints(tmp_path, launcher, 1)
+        wait_for_checkpoint(tmp_path, launcher, 5)
         ranks = workers(launcher)
         torchrun = [p for p in psutil.Process(launcher.pid).children()
                     if "torch.distributed.run" in " ".join(p.cmdline())]

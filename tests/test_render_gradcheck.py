@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch.autograd import gradcheck
 
@@ -18,6 +19,15 @@ from odin_ns.render.composite import RasterizeToPixelsCPU
 from odin_ns.render.tiles import TileGrid, build_isects
 
 W, H = 12, 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def projected(outputs, k=6, seed=0):

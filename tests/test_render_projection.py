@@ -14,6 +14,15 @@ from odin_ns.render.sh import sh_colors
 W, H = 40, 30
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def scene(n=300, C=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     f = 30.0
@@ -54,10 +63,11 @@ def test_projection_matches_gsplat_torch_impl(rasterize_mode, eps2d, near, far):
     assert torch.equal(meta["radii"], radii.int())
     vis = radii > 0
     assert 0 < int(vis.sum()) < vis.numel()  # both visible and culled pairs
-    # same gsplat code on the visible subset: equal up to the order of a 3x3 contraction (einsum batching)
-    for name, ours, ref in [("means2d", meta["means2d"], means2d), ("depths", meta["depths"], depths),
-                            ("conics", meta["conics"], conics)]:
-        torch.testing.assert_close(ours[vis], ref[vis], rtol=1e-6, atol=1e-6, msg=name)
+    # Same gsplat code on each camera's visible subset: equal up to the rounding of its small einsum contractions,
+    # which batch differently; a few float32 ulps at image scale (ulp(64 px) = 7.6e-6).
+    for name, ours, ref, atol in [("means2d", meta["means2d"], means2d, 3e-5), ("depths", meta["depths"], depths, 1e-6),
+                                  ("conics", meta["conics"], conics, 1e-6)]:
+        torch.testing.assert_close(ours[vis], ref[vis], rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
         assert not ours[~vis].any(), f"{name} of culled pairs must be 0"
     expected_opac = s["opacities"].repeat(2, 1) * (comps if comps is not None else 1.0)
     torch.testing.assert_close(meta["opacities"][vis], expected_opac[vis], rtol=1e-6, atol=1e-7)

@@ -20,6 +20,15 @@ from odin_ns.render import rasterization
 PARAMS = ("means", "quats", "scales", "opacities", "colors", "backgrounds")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_scene(n=160, C=2, W=32, H=24, K=16, seed=0, D=None):
     """A dense little scene: big opaque splats (pixels reach T <= 1e-4) over small faint ones."""
     g = torch.Generator().manual_seed(seed)
@@ -27,9 +36,10 @@ def make_scene(n=160, C=2, W=32, H=24, K=16, seed=0, D=None):
     z = torch.rand(n, generator=g) * 4 + 2
     x = (torch.rand(n, generator=g) * 2 - 1) * z * (W / 2 / f) * 1.1
     y = (torch.rand(n, generator=g) * 2 - 1) * z * (H / 2 / f) * 1.1
-    sig = torch.where(torch.arange(n) % 2 == 0, 2.0 + 3.0 * torch.rand(n, generator=g), 0.3 + torch.rand(n, generator=g))
+    big = torch.arange(n) % 2 == 0
+    sig = torch.where(big, 2.0 + 3.0 * torch.rand(n, generator=g), 0.3 + torch.rand(n, generator=g))
     scales = (sig * z / f)[:, None] * torch.exp(torch.rand(n, 3, generator=g) - 0.5)
-    opac = torch.where(torch.arange(n) % 2 == 0, 0.3 + 0.69 * torch.rand(n, generator=g), 0.05 + 0.5 * torch.rand(n, generator=g))
+    opac = torch.where(big, 0.3 + 0.69 * torch.rand(n, generator=g), 0.05 + 0.5 * torch.rand(n, generator=g))
     colors = torch.randn(n, K, 3, generator=g) * 0.3 if D is None else torch.rand(n, D, generator=g)
     vms = []
     for c in range(C):

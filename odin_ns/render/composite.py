@@ -253,7 +253,8 @@ class RasterizeToPixelsCPU(torch.autograd.Function):
             tid = st.tid
             Tn, B = st.g6.shape[1], st.g6.shape[2]
             sh = (Tn, grid.P, B)
-            dx, dy, vis, ov, alpha, Tcat, ns, w = _alphas(st, px_all.index_select(0, tid), py_all.index_select(0, tid), k)
+            px, py = px_all.index_select(0, tid), py_all.index_select(0, tid)
+            dx, dy, _, ov, alpha, Tcat, ns, w = _alphas(st, px, py, k)
             g = G.index_select(0, tid)  # [T, P, D]
             cg = torch.bmm(g, st.cT, out=_WS.get("cg", sh, dt))  # c_j . g per pixel
             wcg = torch.mul(w, cg, out=_WS.get("wcg", sh, dt))

@@ -77,6 +77,8 @@ def rasterization_cpu(
             colors.dim() == 4 and colors.shape[:2] == (C, N) and colors.shape[3] == 3
         ), colors.shape
         assert (sh_degree + 1) ** 2 <= colors.shape[-2], colors.shape
+    if means.device.type != "cpu":
+        raise NotImplementedError(f"rasterization on {means.device.type!r} tensors: only CUDA (gsplat) and CPU")
     if distributed:
         raise NotImplementedError("rasterization(distributed=True) needs gsplat's CUDA path; not on CPU")
     if camera_model != "pinhole":
