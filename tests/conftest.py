@@ -41,6 +41,11 @@ FAST_TRAINING = [
 ]
 
 
+def script(name: str) -> str:
+    """A console script of the environment running the tests (its bin/ need not be on PATH)."""
+    return str(Path(sys.executable).with_name(name))
+
+
 def odin_train(ranks: int, method: str, args: List[str], out: Path, timeout: float = 600,
                extra_env=None) -> subprocess.CompletedProcess:
     """Run `odin-train --ranks N METHOD args --output-dir out` as real processes; fail the test on error."""

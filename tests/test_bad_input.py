@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FOX
+from conftest import FOX, script
 from odin_ns.data.auto_dataparser import detect_parser
 from odin_ns.errors import OdinInputError
 
 
 def ns_train(*args, timeout=180):
-    return subprocess.run(["ns-train", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([script("ns-train"), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_missing_data_folder_fails_in_one_line(tmp_path):

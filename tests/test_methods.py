@@ -10,13 +10,14 @@ import tyro
 
 from nerfstudio.configs.method_configs import AnnotatedBaseConfigUnion
 
+from conftest import script
 from odin_ns.errors import OdinInputError
 from odin_ns.scene.selective_adam import SelectiveAdam
 from odin_ns.trainer import OdinTrainerConfig, check_device
 
 
 def test_ns_train_lists_the_three_methods():
-    out = subprocess.run(["ns-train", "--help"], capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run([script("ns-train"), "--help"], capture_output=True, text=True, timeout=120).stdout
     for method in ("odin", "odin-throughput", "odin-barrier"):
         assert f"│ {method} " in out or f" {method} " in out, method
 

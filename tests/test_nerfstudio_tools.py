@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST_TRAINING, TINY_CITY, last_checkpoint, odin_train, run_dir
+from conftest import FAST_TRAINING, TINY_CITY, last_checkpoint, odin_train, run_dir, script
 
 
 def free_port() -> int:
@@ -66,7 +66,7 @@ def test_live_viewer_serves_while_two_ranks_train(trained):
 def test_ns_eval_writes_metrics(trained, tmp_path):
     out, _ = trained
     result = tmp_path / "eval.json"
-    subprocess.run(["ns-eval", "--load-config", str(run_dir(out) / "config.yml"), "--output-path", str(result)],
+    subprocess.run([script("ns-eval"), "--load-config", str(run_dir(out) / "config.yml"), "--output-path", str(result)],
                    check=True, capture_output=True, timeout=300)
     metrics = json.loads(result.read_text())["results"]
     assert 5.0 < metrics["psnr"] < 60.0 and 0.0 < metrics["ssim"] <= 1.0
@@ -76,7 +76,7 @@ def test_ns_export_writes_every_gaussian(trained, tmp_path):
     out, _ = trained
     ckpt = torch.load(last_checkpoint(out), map_location="cpu")  # weights_only=True, as nerfstudio loads it
     n = ckpt["pipeline"]["_model.gauss_params.means"].shape[0]
-    subprocess.run(["ns-export", "gaussian-splat", "--load-config", str(run_dir(out) / "config.yml"),
+    subprocess.run([script("ns-export"), "gaussian-splat", "--load-config", str(run_dir(out) / "config.yml"),
                     "--output-dir", str(tmp_path)], check=True, capture_output=True, timeout=300)
     header = (tmp_path / "splat.ply").read_bytes()[:2000].decode("latin-1")
     count = int(header.split("element vertex ")[1].split()[0])
@@ -86,7 +86,7 @@ def test_ns_export_writes_every_gaussian(trained, tmp_path):
 def test_ns_viewer_serves_the_checkpoint(trained):
     out, _ = trained
     port = free_port()
-    proc = subprocess.Popen(["ns-viewer", "--load-config", str(run_dir(out) / "config.yml"),
+    proc = subprocess.Popen([script("ns-viewer"), "--load-config", str(run_dir(out) / "config.yml"),
                              "--viewer.websocket-host", "127.0.0.1", "--viewer.websocket-port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

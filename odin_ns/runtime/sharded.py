@@ -166,24 +166,19 @@ class ShardedGaussians:
                             "transfer")
         contributions: List[Tuple[int, int, torch.Tensor]] = []
         pieces: List[torch.Tensor] = []
-        offset = 0
         for q in range(self.env.world_size):
-            source = mine if q == me else None
-            cursor = 0
+            cursor = 0  # position in what rank q sent this owner
             for j, ids in enumerate(reads[q]):
-                start = 0
+                start = 0  # position in rank q's rows of view j
                 for b in ids.tolist():
                     n = int(table.count[b])
                     if int(table.owner[b]) == me:
                         if q == me:
-                            piece = source[j][start:start + n]
+                            pieces.append(mine[j][start:start + n])
                         else:
-                            piece = received[q][cursor:cursor + n]
+                            pieces.append(received[q][cursor:cursor + n])
                             cursor += n
-                        first = ranges[b][0]
-                        contributions.append((q, j, torch.arange(first, first + n)))
-                        pieces.append(piece)
-                        offset += n
+                        contributions.append((q, j, torch.arange(ranges[b][0], ranges[b][0] + n)))
                     start += n
         rows = torch.cat(pieces) if pieces else torch.zeros((0, width), dtype=dtype, device=self.device)
         return rows, contributions
