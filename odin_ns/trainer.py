@@ -7,6 +7,7 @@ deep inside the model.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Type
@@ -64,7 +65,11 @@ class OdinTrainer(Trainer):
         config.pipeline.seed = config.machine.seed
         env = init_distributed(config.machine.device_type, config.pipeline.dist_timeout_s)
         if env.distributed:
-            local_rank, world_size = env.local_rank, env.world_size
+            world_size = env.world_size
+            if "LOCAL_RANK" in os.environ:  # torchrun; nerfstudio's own launcher passes local_rank itself
+                local_rank = env.local_rank
+            if env.backend == "nccl":
+                torch.cuda.set_device(local_rank)  # collectives of Python objects use the current device
         super().__init__(config, local_rank, world_size)
         self.env = env
 
