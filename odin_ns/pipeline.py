@@ -35,6 +35,8 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
     dist_timeout_s: float = 120.0
     """Seconds a rank waits on its peers before it gives up (a dead or mismatched rank)."""
+    check_read_sets: bool = True
+    """Owners verify every step that no Gaussian a view keeps lies outside the view's read set (counted)."""
     viewer_refresh_every: int = 50
     """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
     seed: int = 42
@@ -84,4 +86,4 @@ class OdinPipeline(VanillaPipeline):
             env = init_distributed(device.split(":")[0] if isinstance(device, str) else device.type,
                                    config.dist_timeout_s)
             self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
-                                     seed)
+                                     seed, config.check_read_sets)

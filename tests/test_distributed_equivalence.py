@@ -47,6 +47,8 @@ def test_ranks_equal_one_process_on_city(tmp_path, ranks):
     owned = stats["summary"]["peak_gaussians_owned"]
     assert len(owned) == ranks and all(0 < o < final for o in owned), owned
     assert stats["summary"]["bytes_sent"] > 0
+    assert stats["summary"]["read_set_misses"] == 0  # owners found no kept Gaussian outside a view's read set
+    assert any(r["blocks_read"] < r["blocks_total"] for r in stats["steps"]), "read sets never excluded a block"
     blocks = [r["blocks_total"] for r in stats["steps"] if r["rank"] == 0]
     assert blocks[-1] > blocks[0], f"grown blocks were never cut at a phase boundary: {blocks[0]} -> {blocks[-1]}"
     views = [r["views"][0] for r in stats["steps"] if r["step"] == 3]

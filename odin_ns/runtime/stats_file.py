@@ -16,6 +16,11 @@ import torch.distributed as dist
 from odin_ns.runtime.waits import CAUSES, WaitLog
 
 
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
 def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
     steps = sorted({r["step"] for r in records})
     views = sum(len(r["views"]) for r in records)
@@ -38,7 +43,12 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
                                  for q in range(world_size)],
         "peak_gaussians_replicated": [max((r["gaussians_replicated"] for r in records if r["rank"] == q),
                                           default=0) for q in range(world_size)],
+        "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
+                                      for q in range(world_size)],
+        "mean_blocks_read": _mean(r["blocks_read"] for r in records),
+        "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),
+        "read_set_misses": sum(r.get("read_set_misses", 0) for r in records),
     }
 
 

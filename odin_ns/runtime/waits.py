@@ -29,6 +29,7 @@ class StepRecord:
     blocks_read: int = 0
     blocks_total: int = 0
     loss: float = 0.0
+    read_set_misses: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -36,6 +37,7 @@ class StepRecord:
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
+            "read_set_misses": self.read_set_misses,
         }
 
 
