@@ -23,6 +23,17 @@ def _city_cache(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # A small city and a schedule where densification happens early: refine at steps 20 and 30 (pause after the
 # opacity reset at step 0 is num_train_views + refine_every = 14 + 5 steps).
 # (a data parser sub-command and its options: they go last on the command line)

@@ -56,12 +56,13 @@ def test_ranks_equal_one_process_on_city(tmp_path, ranks):
 
 
 @pytest.mark.skipif(not (FOX / "transforms.json").exists(), reason="the shared fox photos are not present")
-def test_two_ranks_equal_one_process_on_fox(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_equal_one_process_on_fox(tmp_path, ranks):
     args = ["--data", str(FOX), "--pipeline.datamanager.camera-res-scale-factor", "0.0625",
             "--pipeline.model.random-init", "True", "--pipeline.model.num-random", "3000",
             "--pipeline.model.random-scale", "2.0"] + FAST_TRAINING + ["--max-num-iterations", "24",
                                                                        "instant-ngp-data"]
-    odin_train(2, "odin-barrier", args, tmp_path / "dist")
-    ref_args = args[:-1] + ["--pipeline.micro-batch", "2", "instant-ngp-data"]
+    odin_train(ranks, "odin-barrier", args, tmp_path / "dist")
+    ref_args = args[:-1] + ["--pipeline.micro-batch", str(ranks), "instant-ngp-data"]
     odin_train(1, "odin-barrier", ref_args, tmp_path / "ref")
     assert_same_training(_load(tmp_path / "dist"), _load(tmp_path / "ref"))

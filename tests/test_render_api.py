@@ -14,13 +14,7 @@ import odin_ns.render as render
 from odin_ns.render import rasterization
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small(n=200, W=32, H=24, seed=0):

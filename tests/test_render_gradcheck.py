@@ -21,13 +21,7 @@ from odin_ns.render.tiles import TileGrid, build_isects
 W, H = 12, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def projected(outputs, k=6, seed=0):

@@ -14,13 +14,7 @@ from odin_ns.render.sh import sh_colors
 W, H = 40, 30
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def scene(n=300, C=2, seed=0):

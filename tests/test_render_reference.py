@@ -20,13 +20,7 @@ from odin_ns.render import rasterization
 PARAMS = ("means", "quats", "scales", "opacities", "colors", "backgrounds")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny scenes gain nothing from threads, and on a shared machine OpenMP fork/join can stall them."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_scene(n=160, C=2, W=32, H=24, K=16, seed=0, D=None):
