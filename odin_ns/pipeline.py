@@ -13,6 +13,7 @@ import torch
 from torch.cuda.amp.grad_scaler import GradScaler
 
 from nerfstudio.pipelines.base_pipeline import Pipeline, VanillaPipeline, VanillaPipelineConfig
+from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.datamanager import OdinDataManagerConfig
 from odin_ns.model import OdinModelConfig
@@ -85,5 +86,8 @@ class OdinPipeline(VanillaPipeline):
         if test_mode == "val":  # training (nerfstudio's evaluation tools construct pipelines in test/inference)
             env = init_distributed(device.split(":")[0] if isinstance(device, str) else device.type,
                                    config.dist_timeout_s)
+            if env.distributed and env.rank == 0 and config.policy != "barrier":
+                CONSOLE.log(f"odin: the {config.policy}-first policy runs the barrier synchronization in this "
+                            "version (the same parameters; the per-block runtime is not there yet)")
             self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
                                      seed, config.check_read_sets)

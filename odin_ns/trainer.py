@@ -107,7 +107,8 @@ class OdinTrainer(Trainer):
     def train_iteration(self, step: int):
         self.optimizers.zero_grad_all()
         loss, loss_dict, metrics_dict = self.engine.train_step(step, self.optimizers)
-        if self.env.distributed and self.config.is_viewer_enabled() and step % self.config.pipeline.viewer_refresh_every == 0:
+        refresh = self.config.pipeline.viewer_refresh_every
+        if self.env.distributed and self.config.is_viewer_enabled() and step % refresh == 0:
             snapshot = self.engine.gather_full()  # what rank 0's viewer shows until the next refresh
             if self.env.rank == 0:
                 self.pipeline.model.full_snapshot = snapshot

@@ -8,13 +8,11 @@ while training is going on. Its checkpoint (gathered by rank 0) must open unchan
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch

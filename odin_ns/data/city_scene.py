@@ -345,7 +345,6 @@ def ground_albedo(city: City, p: np.ndarray) -> np.ndarray:
 
 def box_albedo(city: City, p: np.ndarray, box: np.ndarray, axis: np.ndarray, sign: np.ndarray) -> np.ndarray:
     """Albedo of points p on the faces (axis, sign = outward normal direction) of boxes `box`."""
-    n = len(box)
     s = city.seed
     out = city.color[box].copy()
     kind = city.kind[box]

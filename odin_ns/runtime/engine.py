@@ -28,7 +28,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from odin_ns.render.projection import project
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.dist_env import DistEnv
-from odin_ns.runtime.sharded import GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
+from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
 from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
 from odin_ns.runtime.transport import exchange
 from odin_ns.runtime.waits import WaitLog
@@ -48,7 +48,8 @@ def view_projection(camera: Cameras, downscale: int) -> Tuple[torch.Tensor, torc
                   cx=cam.cx.clone(), cy=cam.cy.clone(), width=cam.width.clone(), height=cam.height.clone(),
                   camera_type=cam.camera_type.clone())
     cam.rescale_output_resolution(1 / downscale)
-    return get_viewmat(cam.camera_to_worlds), cam.get_intrinsics_matrices(), int(cam.width.item()), int(cam.height.item())
+    width, height = int(cam.width.item()), int(cam.height.item())
+    return get_viewmat(cam.camera_to_worlds), cam.get_intrinsics_matrices(), width, height
 
 
 def shard_bounds(params: Dict[str, torch.Tensor], ranges: Dict[int, Tuple[int, int]]):

@@ -41,7 +41,8 @@ def refine_blocks(
     ranges: Sequence[Tuple[int, int, int]],
     step: int,
     seed: int,
-) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]], Dict[str, torch.Tensor], List[int], Tuple[int, int, int]]:
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, torch.Tensor]], Dict[str, torch.Tensor], List[int],
+           Tuple[int, int, int]]:
     """Grow then prune each block (block id, start, stop) of the concatenated tensors, as gsplat would.
 
     Returns the new concatenated params, optimizer states (every key but "step"), strategy state, the new
