@@ -55,6 +55,16 @@ def test_ranks_equal_one_process_on_city(tmp_path, ranks):
     assert len(set(views)) == ranks, f"ranks drew the same camera: {views}"
 
 
+def test_ranks_that_own_no_block_still_take_part(tmp_path):
+    """One block for three ranks: two ranks own nothing, fetch everything, and the result is still the reference."""
+    args = FAST_TRAINING + ["--max-num-iterations", "8", "--pipeline.block-size", "100000"]
+    odin_train(3, "odin-barrier", args + TINY_CITY, tmp_path / "dist")
+    odin_train(1, "odin-barrier", args + ["--pipeline.micro-batch", "3"] + TINY_CITY, tmp_path / "ref")
+    assert_same_training(_load(tmp_path / "dist"), _load(tmp_path / "ref"))
+    stats = json.loads((run_dir(tmp_path / "dist") / "odin_stats.json").read_text())
+    assert sorted(stats["summary"]["peak_gaussians_owned"]) == [0, 0, 1500]
+
+
 @pytest.mark.skipif(not (FOX / "transforms.json").exists(), reason="the shared fox photos are not present")
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_ranks_equal_one_process_on_fox(tmp_path, ranks):

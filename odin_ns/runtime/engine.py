@@ -371,7 +371,7 @@ class OdinEngine:
             new_id += k
         # blocks whose owner changes travel (values unchanged), then each rank keeps its own in id order
         names = sorted(rows)
-        widths = {name: rows[name].reshape(rows[name].shape[0], -1).shape[1] for name in names}
+        widths = {name: rows[name].flatten(1).shape[1] if rows[name].dim() > 1 else 1 for name in names}
         holder = table.owner.numpy()[plan.parent]
         sends, shapes, incoming = {}, {}, {}
         for j in range(len(plan.parent)):
@@ -379,7 +379,7 @@ class OdinEngine:
             if src == dst:
                 continue
             if src == me:
-                packed = torch.cat([held[j][n].reshape(int(plan.sizes[j]), -1).float() for n in names], dim=1)
+                packed = torch.cat([held[j][n].reshape(int(plan.sizes[j]), widths[n]).float() for n in names], dim=1)
                 sends.setdefault(dst, []).append(packed)
                 del held[j]
             elif dst == me:

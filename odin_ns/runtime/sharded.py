@@ -31,9 +31,8 @@ def param_widths(num_rest: int) -> Dict[str, int]:
 
 
 def pack_params(params: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """[n, D] rows of the six Gaussian parameters."""
-    n = params["means"].shape[0]
-    return torch.cat([params[name].detach().reshape(n, -1) for name in PARAM_NAMES], dim=1)
+    """[n, D] rows of the six Gaussian parameters (n may be 0: a rank can own no block)."""
+    return torch.cat([params[name].detach().flatten(1) for name in PARAM_NAMES], dim=1)
 
 
 def unpack_params(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
