@@ -8,7 +8,6 @@ configuration, and runs nerfstudio's training loop with the odin trainer. Only r
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import sys
@@ -16,29 +15,14 @@ from typing import List, Optional
 
 import torch.distributed as dist
 import tyro
-import yaml
 
 from nerfstudio.configs.method_configs import AnnotatedBaseConfigUnion
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.errors import OdinInputError
+from odin_ns.runtime.config_check import check_same_config
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.trainer import OdinTrainerConfig, check_device
-
-
-def config_fingerprint(config) -> str:
-    """A hash of the configuration as nerfstudio saves it, minus what legitimately differs between ranks."""
-    text = yaml.dump(config)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def check_same_config(config, rank: int, world_size: int) -> None:
-    fingerprints: List[Optional[str]] = [None] * world_size
-    dist.all_gather_object(fingerprints, config_fingerprint(config))
-    odd = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
-    if odd:
-        raise OdinInputError(f"ranks {odd} were started with a configuration different from rank 0's "
-                             "(every rank must get the same arguments)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
