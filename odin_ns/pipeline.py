@@ -36,8 +36,12 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
     dist_timeout_s: float = 120.0
     """Seconds a rank waits on its peers before it gives up (a dead or mismatched rank)."""
-    check_read_sets: bool = True
-    """Owners verify every step that no Gaussian a view keeps lies outside the view's read set (counted)."""
+    phase_length: int = 25
+    """Most steps between two planning points (refine steps end a phase too). Read sets of a phase are inflated by
+    the optimizer's largest motion over it: longer phases synchronize less often but read more blocks."""
+    check_read_sets: bool = False
+    """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
+    is visible (counted as read_set_misses; costly: for tests and debugging)."""
     viewer_refresh_every: int = 50
     """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
     seed: int = 42
@@ -86,8 +90,9 @@ class OdinPipeline(VanillaPipeline):
         if test_mode == "val":  # training (nerfstudio's evaluation tools construct pipelines in test/inference)
             env = init_distributed(device.split(":")[0] if isinstance(device, str) else device.type,
                                    config.dist_timeout_s)
-            if env.distributed and env.rank == 0 and config.policy != "barrier":
-                CONSOLE.log(f"odin: the {config.policy}-first policy runs the barrier synchronization in this "
-                            "version (the same parameters; the per-block runtime is not there yet)")
+            if env.distributed and env.rank == 0 and config.policy == "throughput":
+                CONSOLE.log("odin: the throughput-first policy runs the quality-first (exact) path in this version "
+                            "(admitted delayed reads are not there yet)")
             self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
-                                     seed, config.check_read_sets)
+                                     seed, config.check_read_sets, policy=config.policy,
+                                     phase_length=config.phase_length)

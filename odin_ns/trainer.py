@@ -79,6 +79,7 @@ class OdinTrainer(Trainer):
 
     def train(self) -> None:
         self._started = time.perf_counter()
+        self.engine.end_step = self._start_step + self.config.max_num_iterations
         super().train()
 
     def _after_train(self) -> None:

@@ -13,6 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from odin_ns.runtime.transport import all_gather_rows
+from odin_ns.scene.blocks import block_bounds
 from odin_ns.runtime.waits import WaitLog
 
 _SYNC_WIDTH = 9  # version, count, lo xyz, hi xyz, max_scale
@@ -75,3 +76,14 @@ class BlockTable:
             self.lo[theirs] = got[:, 2:5].float()
             self.hi[theirs] = got[:, 5:8].float()
             self.max_scale[theirs] = got[:, 8].float()
+
+
+def shard_bounds(params: Dict[str, torch.Tensor], ranges: Dict[int, Tuple[int, int]]):
+    """(lo, hi, max_scale) of each owned block, in id order, from the owned tensors (means and log-scales)."""
+    ids = sorted(ranges)
+    n = params["means"].shape[0]
+    block_of = torch.empty(n, dtype=torch.int64, device=params["means"].device)
+    for i, b in enumerate(ids):
+        block_of[ranges[b][0]:ranges[b][1]] = i
+    lo, hi, _, _, max_scale = block_bounds(params["means"], torch.exp(params["scales"]).detach(), block_of, len(ids))
+    return lo, hi, max_scale

@@ -17,25 +17,30 @@ with a micro-batch of N views, parameter for parameter.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import get_viewmat, num_sh_bases
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.render.projection import project
-from odin_ns.runtime.block_table import BlockTable
+from odin_ns.runtime.block_table import BlockTable, shard_bounds
+from odin_ns.runtime.fault_injection import FaultInjection
+from odin_ns.runtime.phase_runner import PhaseRunner
 from odin_ns.runtime.dist_env import DistEnv
-from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
+from odin_ns.runtime.sharded import GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
 from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
 from odin_ns.runtime.transport import exchange
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
 from odin_ns.scene.blocks import block_bounds, build_layout
 from odin_ns.scene.ownership import assign_contiguous
-from odin_ns.scene.read_sets import blocks_in_view
+from odin_ns.scene.read_sets import blocks_in_view, tight_step_bound
+from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.views import ViewSchedule
 
 NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
@@ -52,23 +57,18 @@ def view_projection(camera: Cameras, downscale: int) -> Tuple[torch.Tensor, torc
     return get_viewmat(cam.camera_to_worlds), cam.get_intrinsics_matrices(), width, height
 
 
-def shard_bounds(params: Dict[str, torch.Tensor], ranges: Dict[int, Tuple[int, int]]):
-    """(lo, hi, max_scale) of each owned block, in id order, from the owned tensors."""
-    ids = sorted(ranges)
-    n = params["means"].shape[0]
-    block_of = torch.empty(n, dtype=torch.int64)
-    for i, b in enumerate(ids):
-        block_of[ranges[b][0]:ranges[b][1]] = i
-    lo, hi, _, _, max_scale = block_bounds(params["means"], torch.exp(params["scales"]).detach(), block_of, len(ids))
-    return lo, hi, max_scale
-
-
 class OdinEngine:
     """Owns the distributed state of one rank and runs its training steps."""
 
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
-                 check_read_sets: bool = True):
+                 check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25):
         self.env = env
+        self.policy = policy
+        self.phase_length = phase_length
+        self.end_step: int | None = None  # the trainer sets it: no phase plans messages past the last step
+        self.plan: PhasePlan | None = None
+        self.plans_made = 0
+        self.fault = FaultInjection.from_environment()
         self.model = model
         self.datamanager = datamanager
         self.seed = seed
@@ -98,6 +98,7 @@ class OdinEngine:
         for n, value in self._shard_full(params, block_size).items():
             self.model.gauss_params[n] = torch.nn.Parameter(value)
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
+        self._new_runner()
 
     def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int) -> Dict[str, torch.Tensor]:
         """Lay the whole model out in Morton blocks, assign owners, build the table; this rank's rows of every
@@ -135,22 +136,93 @@ class OdinEngine:
         for k in STATE_KEYS:
             self.model.strategy_state[k] = None
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
+        self._new_runner()
+
+    def _new_runner(self) -> None:
+        self.width = self.sharded.width
+        self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log)
+        self.runner.reset(self.model.gauss_params["means"].shape[0])
+        self.plan = None
+
+    # ---- phases ---------------------------------------------------------------------------------------------
+
+    def _is_refine_step(self, step: int) -> bool:
+        """gsplat's DefaultStrategy schedule: grow/prune every refine_every, opacity reset every reset_every."""
+        st = self.model.strategy
+        if step >= st.refine_stop_iter:
+            return False
+        grow = (step > st.refine_start_iter and step % st.refine_every == 0
+                and step % st.reset_every >= st.pause_refine_after_reset)
+        return grow or step % st.reset_every == 0
+
+    def _phase_stop(self, start: int) -> int:
+        """First step after the phase that starts at `start`: a refine step ends its phase, and so does the end of
+        training and the phase length (a longer phase inflates its read sets by a larger motion bound)."""
+        stop = start + max(1, self.phase_length)
+        if self.end_step is not None:
+            stop = min(stop, max(self.end_step, start + 1))
+        for s in range(start, stop):
+            if self._is_refine_step(s):
+                return s + 1
+        return stop
+
+    def _step_bound(self, name: str, optimizers, updates: int) -> float:
+        """Rigorous bound on how much one element of `name` can change in the next `updates` selective-Adam steps."""
+        opt = optimizers.optimizers[name]
+        group = opt.param_groups[0]
+        lr = max(float(group["lr"]), float(group.get("initial_lr", group["lr"])))
+        state = opt.state.get(self.model.gauss_params[name], {})
+        t = int(state["step"].item()) if "step" in state else 0
+        return sum(tight_step_bound(lr, group["betas"], t + 1 + i, group.get("bias_correction", True))
+                   for i in range(updates))
+
+    def _plan_phase(self, start: int, optimizers) -> PhasePlan:
+        """Every rank derives the same plan: views from the schedule, read sets from the synced table's bounds
+        inflated, step by step, by the motion the optimizer can make since the phase started."""
+        stop = self._phase_stop(start)
+        downscale = self.model._get_downscale_factor()
+        views, reads, motion, growth = [], [], [], []
+        table = self.table
+        for i, step in enumerate(range(start, stop)):
+            m = math.sqrt(3.0) * self._step_bound("means", optimizers, i)
+            g = self._step_bound("scales", optimizers, i)
+            motion.append(m)
+            growth.append(g)
+            step_views = self.schedule.global_views(step)
+            per_step = []
+            for rank_views in step_views:
+                per_rank = []
+                for v in rank_views:
+                    viewmat, K, W, H = self._projection(v, downscale)
+                    mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
+                                          max_scale=table.max_scale, motion=m, log_scale_growth=g)[0]
+                    per_rank.append(torch.nonzero(mask & (table.count > 0)).flatten().tolist())
+                per_step.append(per_rank)
+            views.append(step_views)
+            reads.append(per_step)
+        return PhasePlan(start=start, stop=stop, num_ranks=self.env.world_size, owner=table.owner.tolist(),
+                         views=views, reads=reads, barrier=self.policy == "barrier", motion=motion, growth=growth)
+
+    def _begin_phase(self, step: int, optimizers) -> None:
+        self.plan = self._plan_phase(step, optimizers)
+        self.plans_made += 1
+        self.runner.envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
+        self.runner.begin(self.plan, self.table, self._owned_rows())
+
+    def _end_phase(self, step: int, optimizers) -> None:
+        """A global synchronization point: every send taken, the table synced, then any structural change."""
+        with self.log.waiting("phase"):
+            self.runner.finish()
+            if self._is_refine_step(step):
+                self._refine(step, optimizers)
+            else:
+                self._sync_table()
+        self.plan = None
+
+    def _owned_rows(self) -> torch.Tensor:
+        return pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
 
     # ---- one step -------------------------------------------------------------------------------------------
-
-    def _read_sets(self, step: int) -> List[List[torch.Tensor]]:
-        """reads[q][j]: block ids of rank q's view j at `step` (ascending)."""
-        downscale = self.model._get_downscale_factor()
-        reads = []
-        for views in self.schedule.global_views(step):
-            per_view = []
-            for v in views:
-                viewmat, K, W, H = self._projection(v, downscale)
-                mask = blocks_in_view(self.table.lo, self.table.hi, viewmat, K, W, H, near=NEAR_PLANE,
-                                      max_scale=self.table.max_scale)[0]
-                per_view.append(torch.nonzero(mask & (self.table.count > 0)).flatten())
-            reads.append(per_view)
-        return reads
 
     def _projection(self, view: int, downscale: int):
         """`view_projection` of a training camera, memoized (cameras do not move: no camera optimization)."""
@@ -166,25 +238,28 @@ class OdinEngine:
         return torch.rand(3, generator=g).to(self.device)
 
     def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
-        """Run step `step` on this rank; returns (loss, loss dict, metrics dict) of its last view."""
+        """Run step `step` on this rank: validate, render, gradients, owner update, publish (DESIGN.md layers)."""
         me, model = self.env.rank, self.model
         record = self.log.begin(step)
         self.schedule_step = step
-        views = self.schedule.views(step, me)
+        if self.plan is None or not self.plan.contains(step):
+            record.phase_start = True
+            with self.log.waiting("phase"):
+                self._begin_phase(step, optimizers)
+        plan, runner = self.plan, self.runner
+        views = plan.rank_views(step, me)
         record.views = list(views)
-        reads = self._read_sets(step)
-        owned_rows = pack_params({n: model.gauss_params[n] for n in PARAM_NAMES})
         if self.env.distributed:
-            self.sharded.fetch(reads, owned_rows)
-        record.gaussians_replicated = self.sharded.num_replicated()
-        record.blocks_read = int(torch.unique(torch.cat(reads[me])).numel()) if reads[me] else 0
-        if self.check_read_sets:
-            record.read_set_misses = self._count_misses(reads)
+            runner.validate(step)
+        owned_rows = self._owned_rows()
+        view_ids = [runner.view_blocks(step, j) for j in range(len(views))]
+        record.gaussians_replicated = runner.num_replicated()
+        record.blocks_read = len({b for ids in view_ids for b in ids})
         mine: List[torch.Tensor] = []
         loss = loss_dict = metrics_dict = None
         for j, view in enumerate(views):
+            rows = runner.render_rows(step, view_ids[j], owned_rows)
             with self.log.computing():
-                rows = self.sharded.render_rows(reads[me][j], owned_rows)
                 leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, self.num_rest).items()}
                 model.render_params = leaves
                 model.training_background = self._background(step, me * self.schedule.micro_batch + j)
@@ -195,39 +270,63 @@ class OdinEngine:
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
-                mine.append(self._contribution(leaves, model.info))
-                model.render_params = None
-        self._update_owners(step, reads, mine, optimizers)
+            mine.append(self._contribution(leaves, model.info))
+            model.render_params = None
+        if self.env.distributed:
+            runner.send_gradients(step, mine, view_ids)
+        if self.check_read_sets:
+            record.read_set_misses = self._count_misses(step)
+        self._update_owners(step, mine, view_ids, optimizers)
         optimizers.scheduler_step_all(step)
-        self._refine(step, optimizers)
+        if self.policy == "barrier" and self.env.distributed:
+            with self.log.waiting("barrier"):
+                dist.barrier()
+        runner.forget_step(step)
+        if step + 1 == plan.stop:
+            self._end_phase(step, optimizers)
         record.gaussians_owned = int(model.gauss_params["means"].shape[0])
         record.blocks_total = self.table.num_blocks
+        record.misses_handled, runner.misses_handled = runner.misses_handled, 0
+        record.plan_violations, runner.plan_violations = runner.plan_violations, 0
+        self.log.end_inside()
         return loss, loss_dict, metrics_dict
 
-    @torch.no_grad()
-    def _count_misses(self, reads) -> int:
-        """DESIGN.md semantics 6, checked by the owners: Gaussians of this rank's blocks that some view of the step
-        keeps (gsplat's projection gives radius > 0) although their block is outside that view's read set.
+    def _visible(self, view: int, rows: Dict[str, torch.Tensor]) -> int:
+        """How many of these Gaussians gsplat's projection keeps (radius > 0) in training view `view`."""
+        if rows["means"].shape[0] == 0:
+            return 0
+        viewmat, K, W, H = self._projection(view, self.model._get_downscale_factor())
+        dev = rows["means"].device
+        radii = project(rows["means"], rows["quats"], torch.exp(rows["scales"]), None, viewmat.to(dev), K.to(dev),
+                        W, H, 0.3, NEAR_PLANE, 1e10, 0.0, False)[0]
+        return int((radii > 0).sum())
 
-        Read sets are conservative by construction (`scene.read_sets`), so this is zero; a miss is reported on the
-        console and counted in odin_stats.json (`read_set_misses`), never ignored."""
+    @torch.no_grad()
+    def _count_misses(self, step: int) -> int:
+        """DESIGN.md semantics 6, verified by the owners (`--pipeline.check-read-sets`): Gaussians of this rank's
+        blocks that some view of the step keeps although their block was not in what that view rendered.
+
+        The parameters are those the views of `step` rendered (before this step's update). Read sets are
+        conservative by construction and the runtime adds a block to a read set when an update takes it outside
+        its planned bounds, so this is zero; a miss is reported on the console and counted in odin_stats.json
+        (`read_set_misses`), never ignored."""
         ranges = self.table.owned_ranges(self.env.rank)
         if not ranges:
             return 0
-        downscale = self.model._get_downscale_factor()
-        params = self.model.gauss_params
+        params = {n: t.detach() for n, t in self.model.gauss_params.items() if n in PARAM_NAMES}
         misses = 0
-        for q, views in enumerate(self.schedule.global_views(self.schedule_step)):
+        extras = self.runner.extras_out.get(step, {})
+        for q, views in enumerate(self.plan.views[self.plan.index(step)]):
             for j, view in enumerate(views):
-                outside = sorted(set(ranges) - set(reads[q][j].tolist()))
+                seen = set(self.plan.view_reads(step, q)[j])
+                if q == self.env.rank:
+                    seen |= set(self.runner.extras_in.get(step, {}).get(j, []))
+                seen |= {b for jj, b in extras.get(q, []) if jj == j}
+                outside = sorted(set(ranges) - seen)
                 if not outside:
                     continue
                 rows = torch.cat([torch.arange(*ranges[b]) for b in outside]).to(params["means"].device)
-                viewmat, K, W, H = self._projection(view, downscale)
-                radii = project(params["means"][rows], params["quats"][rows], torch.exp(params["scales"][rows]),
-                                None, viewmat.to(rows.device), K.to(rows.device), W, H, 0.3, NEAR_PLANE, 1e10,
-                                0.0, False)[0]
-                found = int((radii > 0).sum())
+                found = self._visible(view, {n: t[rows] for n, t in params.items()})
                 if found:
                     CONSOLE.log(f"[bold red]odin: rank {self.env.rank}: {found} Gaussians visible from view {view} "
                                 f"(rank {q}) lie outside its read set[/bold red]")
@@ -252,56 +351,56 @@ class OdinEngine:
         return torch.cat([grads, extra.to(grads.dtype)], dim=1)
 
     @torch.no_grad()
-    def _update_owners(self, step: int, reads, mine: Sequence[torch.Tensor], optimizers) -> None:
-        """Sum contributions in reference order, selective Adam on the touched rows, versions and bounds, barrier."""
+    def _update_owners(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> None:
+        """Sum contributions in reference order, selective Adam on the touched rows, then publish for step+1."""
         model = self.model
-        width = self.sharded.width
-        rows, contributions = self.sharded.reduce_to_owners(reads, mine)
-        n_owned = model.gauss_params["means"].shape[0]
-        acc = torch.zeros((n_owned, width), dtype=rows.dtype, device=rows.device)
-        touched = torch.zeros(n_owned, dtype=torch.bool, device=rows.device)
-        track = step < model.strategy.refine_stop_iter
-        state = model.strategy_state
-        if track:
-            for k in STATE_KEYS:
-                if state.get(k) is None or state[k].shape[0] != n_owned:
-                    state[k] = torch.zeros(n_owned, device=rows.device)
-        start = 0
-        for _, _, idx in contributions:
-            n = idx.numel()
-            piece = rows[start:start + n]
-            start += n
-            idx = idx.to(rows.device)
-            acc[idx] += piece[:, :width]
-            vis = piece[:, width + 1] > 0
-            touched[idx] |= vis
+        width = self.width
+        contributions = self.runner.collect(step, mine, view_ids)
+        with self.log.updating():
+            n_owned = model.gauss_params["means"].shape[0]
+            dtype = mine[0].dtype if mine else torch.float32
+            acc = torch.zeros((n_owned, width), dtype=dtype, device=self.device)
+            touched = torch.zeros(n_owned, dtype=torch.bool, device=self.device)
+            track = step < model.strategy.refine_stop_iter
+            state = model.strategy_state
             if track:
-                state["grad2d"][idx] += torch.where(vis, piece[:, width], torch.zeros_like(piece[:, width]))
-                state["count"][idx] += vis.to(state["count"].dtype)
-                state["radii"][idx] = torch.where(vis, torch.maximum(state["radii"][idx], piece[:, width + 2]),
-                                                  state["radii"][idx])
-        grads = unpack_params(acc, self.num_rest)
-        for n in PARAM_NAMES:
-            param = model.gauss_params[n]
-            param.grad = grads[n].reshape(param.shape).contiguous()
-            opt = optimizers.optimizers[n]
-            opt.visibility = touched
-            opt.step()
-        self._publish(touched)
+                for k in STATE_KEYS:
+                    if state.get(k) is None or state[k].shape[0] != n_owned:
+                        state[k] = torch.zeros(n_owned, device=self.device)
+            for idx, piece in contributions:
+                acc[idx] += piece[:, :width]
+                vis = piece[:, width + 1] > 0
+                touched[idx] |= vis
+                if track:
+                    state["grad2d"][idx] += torch.where(vis, piece[:, width], torch.zeros_like(piece[:, width]))
+                    state["count"][idx] += vis.to(state["count"].dtype)
+                    state["radii"][idx] = torch.where(vis, torch.maximum(state["radii"][idx], piece[:, width + 2]),
+                                                      state["radii"][idx])
+            grads = unpack_params(acc, self.num_rest)
+            for n in PARAM_NAMES:
+                param = model.gauss_params[n]
+                param.grad = grads[n].reshape(param.shape).contiguous()
+                opt = optimizers.optimizers[n]
+                opt.visibility = touched
+                opt.step()
+        self.runner.updated(touched)
+        if self.plan.contains(step + 1):
+            params = {n: model.gauss_params[n].detach() for n in PARAM_NAMES}
+            self.fault.apply(self, step, params)
+            self.runner.check_envelope(step + 1, params, self._visible)
+            self.runner.publish(step + 1, self._owned_rows())
 
-    def _publish(self, touched: torch.Tensor) -> None:
-        """New bounds and versions of this rank's blocks, then the barrier that spreads them."""
+    def _sync_table(self) -> None:
+        """Current sizes and bounds of this rank's blocks into the table, then the all-gather that spreads them."""
         me = self.env.rank
         ranges = self.table.owned_ranges(me)
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
         lo, hi, max_scale = shard_bounds(params, ranges)
         ids = sorted(ranges)
-        bumped = torch.tensor([bool(touched[s:e].any()) for s, e in (ranges[b] for b in ids)], dtype=torch.bool)
         counts = torch.tensor([ranges[b][1] - ranges[b][0] for b in ids], dtype=torch.int64)
-        self.table.update_owned(me, counts, lo, hi, max_scale, bumped)
+        self.table.update_owned(me, counts, lo, hi, max_scale, torch.ones(len(ids), dtype=torch.bool))
         if self.env.distributed:
-            self.table.sync(me, self.env.world_size, self.log, "barrier")
-            self.sharded.drop_stale()
+            self.table.sync(me, self.env.world_size, self.log, "phase")
 
     # ---- phase boundaries -----------------------------------------------------------------------------------
 
@@ -315,16 +414,18 @@ class OdinEngine:
         reset = step % strategy.reset_every == 0
         if not (grow or reset):
             return
-        with self.log.waiting("phase"):
-            if grow:
-                self._grow_and_prune(step, optimizers)
-            if reset:
-                self._reset_opacities(strategy.prune_opa * 2.0, optimizers)
-            self._publish(torch.ones(model.gauss_params["means"].shape[0], dtype=torch.bool))
-            if grow:
-                self._rebuild_blocks(optimizers)
-            if grow and self.env.rank == 0:
+        if grow:
+            self._grow_and_prune(step, optimizers)
+        if reset:
+            self._reset_opacities(strategy.prune_opa * 2.0, optimizers)
+        self._sync_table()
+        if grow:
+            self._rebuild_blocks(optimizers)
+            self.runner.reset(model.gauss_params["means"].shape[0])
+            if self.env.rank == 0:
                 CONSOLE.log(f"Step {step}: {int(self.table.count.sum())} Gaussians in {self.table.num_blocks} blocks")
+        else:
+            self.runner.mark_all_dirty()
 
     def _grow_and_prune(self, step: int, optimizers) -> None:
         model, me = self.model, self.env.rank
@@ -415,8 +516,7 @@ class OdinEngine:
                                 lo=torch.zeros(B, 3), hi=torch.zeros(B, 3), max_scale=torch.zeros(B),
                                 version=torch.zeros(B, dtype=torch.int64))
         self.sharded.table = self.table
-        self.sharded.drop_all()
-        self._publish(torch.ones(self.model.gauss_params["means"].shape[0], dtype=torch.bool))
+        self._sync_table()
 
     def _reset_opacities(self, value: float, optimizers) -> None:
         """gsplat's `reset_opa`: clamp opacities, zero their moments (elementwise, so shard-independent)."""

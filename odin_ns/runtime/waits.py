@@ -1,8 +1,14 @@
 """Wait and traffic accounting: per rank and step, compute time, wait time by cause, bytes moved.
 
-Causes (DESIGN.md, "Measuring"): `barrier` (the global synchronization of a step), `fetch` (replicas of remote
-blocks arriving), `transfer` (gradients and statistics reaching owners), `phase` (densify/prune/rebalance at a
-phase boundary), `gather` (collecting the whole model on rank 0 for checkpoints, evaluation and the viewer).
+Causes (DESIGN.md, "Measuring"): `validate` (a view waiting for the publications of the blocks it reads),
+`transfer` (an owner waiting for its readers' gradients), `barrier` (the global synchronization of a step,
+odin-barrier only), `phase` (the synchronization, densify/prune/rebalance and planning at a phase boundary),
+`gather` (collecting the whole model on rank 0 for checkpoints, evaluation and the viewer).
+
+Every second of a step's wall (from the start of one step to the start of the next) is in exactly one part:
+`render_s` (forward, loss, backward), `update_s` (summing contributions, selective Adam), the waits, and the
+rest: `bookkeeping_s` inside the step (plans, read sets, packing, checks) and `loop_s` outside it (nerfstudio's
+trainer loop: logging, callbacks, the viewer).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List
 
-CAUSES = ("barrier", "fetch", "transfer", "phase", "gather")
+CAUSES = ("validate", "transfer", "barrier", "phase", "gather")
 
 
 @dataclass
@@ -20,7 +26,12 @@ class StepRecord:
     step: int
     rank: int
     views: List[int] = field(default_factory=list)
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # render: forward + loss + backward
+    update_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    loop_s: float = 0.0
+    wall_s: float = 0.0
+    started: float = 0.0  # time.perf_counter() (CLOCK_MONOTONIC: comparable across the ranks of one machine)
     wait_s: Dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -30,14 +41,20 @@ class StepRecord:
     blocks_total: int = 0
     loss: float = 0.0
     read_set_misses: int = 0
+    misses_handled: int = 0
+    plan_violations: int = 0
+    phase_start: bool = False
 
     def to_dict(self) -> dict:
         return {
             "step": self.step, "rank": self.rank, "views": self.views, "compute_s": self.compute_s,
+            "update_s": self.update_s, "bookkeeping_s": self.bookkeeping_s, "loop_s": self.loop_s,
+            "wall_s": self.wall_s, "started": self.started,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
-            "read_set_misses": self.read_set_misses,
+            "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
+            "plan_violations": self.plan_violations, "phase_start": self.phase_start,
         }
 
 
@@ -50,16 +67,43 @@ class WaitLog:
         self.current = StepRecord(step=-1, rank=rank)
 
     def begin(self, step: int) -> StepRecord:
-        self.current = StepRecord(step=step, rank=self.rank)
+        now = time.perf_counter()
+        self.close(now)
+        self.current = StepRecord(step=step, rank=self.rank, started=now)
         self.records.append(self.current)
+        self._inside = now
         return self.current
+
+    def end_inside(self) -> None:
+        """The step's own work is done (nerfstudio's loop takes over until the next `begin`)."""
+        r = self.current
+        inside = time.perf_counter() - self._inside
+        self._waited_inside = sum(r.wait_s.values())
+        r.bookkeeping_s = max(0.0, inside - r.compute_s - r.update_s - self._waited_inside)
+        self._inside_s = inside
+
+    def close(self, now: float | None = None) -> None:
+        """Close the current step at `now`: its wall, and the loop time outside it that no wait explains."""
+        r = self.current
+        if r.step < 0 or r.wall_s:
+            return
+        now = time.perf_counter() if now is None else now
+        r.wall_s = now - r.started
+        outside_waits = sum(r.wait_s.values()) - getattr(self, "_waited_inside", 0.0)
+        r.loop_s = max(0.0, r.wall_s - getattr(self, "_inside_s", r.wall_s) - outside_waits)
 
     @contextmanager
     def waiting(self, cause: str) -> Iterator[None]:
+        """Time spent blocked, by cause; a wait inside another counts once, under the outer cause."""
+        if getattr(self, "_depth", 0):
+            yield
+            return
+        self._depth = 1
         started = time.perf_counter()
         try:
             yield
         finally:
+            self._depth = 0
             self.current.wait_s[cause] += time.perf_counter() - started
 
     @contextmanager
@@ -69,6 +113,14 @@ class WaitLog:
             yield
         finally:
             self.current.compute_s += time.perf_counter() - started
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current.update_s += time.perf_counter() - started
 
     def add_traffic(self, sent: int, received: int) -> None:
         self.current.bytes_sent += sent

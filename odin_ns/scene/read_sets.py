@@ -193,3 +193,29 @@ def motion_bound(lrs: Iterable[float], first_step: int, betas: Tuple[float, floa
     ... with learning rates `lrs` (one per step): sqrt(3) * sum_t adam_step_bound(lr_t, t)."""
     total = sum(adam_step_bound(lr, betas, first_step + i, bias_correction) for i, lr in enumerate(lrs))
     return math.sqrt(3.0) * total
+
+
+def adam_ratio_cap(betas: Tuple[float, float] = (0.9, 0.999)) -> float:
+    """Bound on |m_t| / sqrt(v_t) for every element, every step, any gradient history (moments start at zero or
+    are zeroed at any time): a tighter rigorous bound than the geometric sum of `adam_step_bound`.
+
+    With r_t = m_t^2 / v_t, Cauchy-Schwarz on m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2 gives
+        r' <= (b1^2 / b2) r + (1 - b1)^2 / (1 - b2),
+    so from r_0 = 0, r_t <= ((1 - b1)^2 / (1 - b2)) / (1 - b1^2 / b2) for all t (about 52.9 for Adam's defaults:
+    |m| / sqrt(v) <= 7.27, against 31.8 for the sum bound). Written here because no library states it."""
+    b1, b2 = betas
+    c = b1 * b1 / b2
+    if c >= 1:
+        raise ValueError("the bound needs beta1^2 < beta2")
+    return math.sqrt(((1 - b1) ** 2 / (1 - b2)) / (1 - c))
+
+
+def tight_step_bound(lr: float, betas: Tuple[float, float] = (0.9, 0.999), step: int = 0,
+                     bias_correction: bool = True) -> float:
+    """Rigorous bound on |change| of one element in one selective-Adam update at group step `step` (1-based;
+    0 = any step): lr * `adam_ratio_cap` * sqrt(1 - b2^t) / (1 - b1^t) (the bias factor is at most 1)."""
+    b1, b2 = betas
+    bias = 1.0
+    if bias_correction and step > 0:
+        bias = min(1.0, math.sqrt(1 - b2**step) / (1 - b1**step))
+    return lr * adam_ratio_cap(betas) * bias

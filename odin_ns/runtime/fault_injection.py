@@ -1,0 +1,56 @@
+"""Fault injection for tests of semantics 6: move a Gaussian by hand inside a phase, outside its planned bounds.
+
+`ODIN_NS_FAULT_PUSH=STEP` makes the owner of the first block (in (rank, view, block) order of the plan) that a
+view of step STEP+1 does not read, and whose reader waits for that owner, move the block's first Gaussian onto
+that view's optical axis right after its update of STEP. No optimizer makes such a move (its motion is bounded),
+so the plan's read sets miss it; the runtime must notice and still give the synchronous result. Every rank
+applies the same rule to the same plan, so the runs of every policy push the same Gaussian to the same place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+PUSH_DEPTH = 1.0  # world units in front of the camera
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    push_step: Optional[int] = None
+
+    @classmethod
+    def from_environment(cls) -> "FaultInjection":
+        value = os.environ.get("ODIN_NS_FAULT_PUSH", "").strip()
+        return cls(push_step=int(value)) if value else cls()
+
+    def apply(self, engine, step: int, params: Dict[str, torch.Tensor]) -> None:
+        if self.push_step != step:
+            return
+        plan, me = engine.plan, engine.env.rank
+        target = step + 1
+        for q in range(plan.num_ranks):
+            for j, ids in enumerate(plan.view_reads(target, q)):
+                for b in range(plan.num_blocks):
+                    o = plan.owner[b]
+                    if b in ids or int(engine.table.count[b]) == 0 or (o != q and o not in plan.deps(target, q)):
+                        continue
+                    if o == me:
+                        self._push(engine, b, plan.rank_views(target, q)[j], params)
+                    return
+
+    @staticmethod
+    def _push(engine, block: int, view: int, params: Dict[str, torch.Tensor]) -> None:
+        viewmat, _, _, _ = engine._projection(view, engine.model._get_downscale_factor())
+        R, T = viewmat[0, :3, :3], viewmat[0, :3, 3]
+        center = -R.T @ T
+        forward = R.T @ torch.tensor([0.0, 0.0, 1.0])
+        row = engine.table.owned_ranges(engine.env.rank)[block][0]
+        with torch.no_grad():
+            params["means"][row] = (center + PUSH_DEPTH * forward).to(params["means"])
+        if engine.env.distributed:
+            engine.runner.dirty[:, row] = True
+            engine.runner.dirty[engine.env.rank, row] = False

@@ -1,0 +1,191 @@
+"""The plan of one phase: who renders what, which blocks each view reads, and the actions that follow from it.
+
+A phase is the run of steps between two global synchronization points (DESIGN.md semantics 5). At its start every
+rank derives the same `PhasePlan` from replicated data (the view order, the block table, the motion bound), so no
+request is ever needed inside the phase: every message, its sender, its receiver and the blocks it carries are
+known in advance (only the number of rows a message carries depends on the data, and a small header says it).
+
+From the per-view read sets follow, per step t and rank r:
+- `deps(t, r)`: the owners whose blocks r's views read at t. r validates (waits) only for their publications of
+  step t-1, and sends its gradients of step t to exactly them;
+- `readers(t, o)`: the ranks whose views read some block of owner o at t (o waits for their gradients);
+and from those the per-rank action lists (`actions`), with a readable repr in the style of PyTorch's pipelining
+schedules: `W b3@v7 <-r1` (wait until block 3, owned by rank 1, is at version 7), `R v12`, `G b3->r1`, `U b3`
+(owner update once every contribution is in), `P b3->r0` (publish the new version to a rank that reads it next),
+`B` (the global barrier, odin-barrier only).
+
+The plan is plain data: `to_dict` gives JSON, `actions_text` a diffable listing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+
+@dataclass(frozen=True)
+class Action:
+    """One small step of a rank's work; `blocks` are block ids, `peer` the other rank (-1 for none)."""
+
+    kind: str  # "W" validate, "R" render, "G" gradients to an owner, "U" owner update, "P" publish, "B" barrier
+    step: int
+    peer: int = -1
+    blocks: Tuple[int, ...] = ()
+    version: Tuple[int, ...] = ()  # "W": the version each block must be at
+    view: int = -1  # "R"
+
+    def __repr__(self) -> str:
+        if self.kind == "R":
+            return f"R v{self.view}"
+        if self.kind == "B":
+            return "B"
+        if self.kind == "W":
+            return " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
+        if self.kind == "U":
+            return "U " + ",".join(f"b{b}" for b in self.blocks)
+        arrow = "->"
+        return f"{self.kind} " + ",".join(f"b{b}" for b in self.blocks) + f"{arrow}r{self.peer}"
+
+
+@dataclass
+class PhasePlan:
+    """Steps [start, stop) of one phase on `num_ranks` ranks.
+
+    views[i][q]: the view indices rank q renders at step start+i; reads[i][q][j]: ascending block ids of that
+    rank's view j; owner[b]: the rank owning block b for the whole phase; versions count the steps of the phase
+    in which some view read the block (a block nobody reads is not updated, so its version stays)."""
+
+    start: int
+    stop: int
+    num_ranks: int
+    owner: List[int]
+    views: List[List[List[int]]]
+    reads: List[List[List[List[int]]]]
+    barrier: bool = False
+    motion: List[float] = field(default_factory=list)  # per step: bound on how far a mean moved since the start
+    growth: List[float] = field(default_factory=list)  # per step: bound on how much a log-scale grew since then
+    _union: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
+    _deps: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.stop <= self.start:
+            raise ValueError("a phase has at least one step")
+        if len(self.views) != self.stop - self.start or len(self.reads) != len(self.views):
+            raise ValueError("views and reads need one entry per step of the phase")
+        if not self.motion:
+            self.motion = [0.0] * len(self.views)
+        if not self.growth:
+            self.growth = [0.0] * len(self.views)
+        self._union = [[sorted({b for ids in per_rank for b in ids}) for per_rank in step] for step in self.reads]
+        self._deps = [[sorted({self.owner[b] for b in blocks} - {q}) for q, blocks in enumerate(step)]
+                      for step in self._union]
+
+    # ---- queries -----------------------------------------------------------------------------------------
+
+    def index(self, step: int) -> int:
+        if not self.start <= step < self.stop:
+            raise IndexError(f"step {step} is outside the phase [{self.start}, {self.stop})")
+        return step - self.start
+
+    def contains(self, step: int) -> bool:
+        return self.start <= step < self.stop
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.owner)
+
+    def rank_views(self, step: int, rank: int) -> List[int]:
+        return self.views[self.index(step)][rank]
+
+    def view_reads(self, step: int, rank: int) -> List[List[int]]:
+        return self.reads[self.index(step)][rank]
+
+    def union_reads(self, step: int, rank: int) -> List[int]:
+        """Ascending block ids any view of `rank` reads at `step`."""
+        return self._union[self.index(step)][rank]
+
+    def deps(self, step: int, rank: int) -> List[int]:
+        """Owners (other than `rank`) of the blocks `rank` reads at `step`, ascending."""
+        return self._deps[self.index(step)][rank]
+
+    def readers(self, step: int, owner: int) -> List[int]:
+        """Ranks (other than `owner`) whose views read some block of `owner` at `step`, ascending."""
+        i = self.index(step)
+        return [q for q in range(self.num_ranks) if owner in self._deps[i][q]]
+
+    def grad_entries(self, step: int, reader: int, owner: int) -> List[Tuple[int, int]]:
+        """(view slot, block) pairs of `reader`'s gradient message to `owner` at `step`, in message order."""
+        return [(j, b) for j, ids in enumerate(self.view_reads(step, reader)) for b in ids
+                if self.owner[b] == owner]
+
+    def publish_blocks(self, step: int, owner: int, reader: int) -> List[int]:
+        """Blocks of `owner` that `reader` reads at `step` (what the publication of step-1 brings it)."""
+        return [b for b in self.union_reads(step, reader) if self.owner[b] == owner]
+
+    def versions(self) -> List[List[int]]:
+        """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""
+        current = [0] * self.num_blocks
+        out = []
+        for i in range(len(self.views)):
+            out.append(list(current))
+            for b in {b for blocks in self._union[i] for b in blocks}:
+                current[b] += 1
+        return out
+
+    # ---- the action lists ------------------------------------------------------------------------------
+
+    def actions(self, rank: int) -> List[Action]:
+        """The rank's whole phase as a list of actions, in the order the runtime runs them."""
+        out: List[Action] = []
+        versions = self.versions()
+        owned = [b for b, o in enumerate(self.owner) if o == rank]
+        for i, step in enumerate(range(self.start, self.stop)):
+            for o in self.deps(step, rank):
+                blocks = tuple(self.publish_blocks(step, o, rank))
+                out.append(Action("W", step, o, blocks, tuple(versions[i][b] for b in blocks)))
+            for v in self.rank_views(step, rank):
+                out.append(Action("R", step, view=v))
+            for o in self.deps(step, rank):
+                out.append(Action("G", step, o, tuple(sorted({b for _, b in self.grad_entries(step, rank, o)}))))
+            read_by_any = sorted({b for q in range(self.num_ranks) for b in self.union_reads(step, q)} & set(owned))
+            out.append(Action("U", step, blocks=tuple(read_by_any)))
+            if step + 1 < self.stop:
+                for q in self.readers(step + 1, rank):
+                    out.append(Action("P", step, q, tuple(self.publish_blocks(step + 1, rank, q))))
+            if self.barrier:
+                out.append(Action("B", step))
+        return out
+
+    def actions_text(self) -> str:
+        lines = []
+        for r in range(self.num_ranks):
+            lines.append(f"rank {r}:")
+            step = None
+            for a in self.actions(r):
+                if a.step != step:
+                    step = a.step
+                    lines.append(f"  step {step}:")
+                lines.append(f"    {a!r}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> Dict:
+        return {"start": self.start, "stop": self.stop, "num_ranks": self.num_ranks, "owner": list(self.owner),
+                "views": self.views, "reads": self.reads, "barrier": self.barrier,
+                "motion": list(self.motion), "growth": list(self.growth)}
+
+    @classmethod
+    def from_dict(cls, d: Dict) -> "PhasePlan":
+        return cls(start=d["start"], stop=d["stop"], num_ranks=d["num_ranks"], owner=list(d["owner"]),
+                   views=d["views"], reads=d["reads"], barrier=d.get("barrier", False),
+                   motion=list(d.get("motion", [])), growth=list(d.get("growth", [])))
+
+
+def dependency_pairs(plan: PhasePlan) -> Dict[Tuple[int, int], int]:
+    """{(reader, owner): number of steps at which the reader depends on the owner} over the phase."""
+    out: Dict[Tuple[int, int], int] = {}
+    for step in range(plan.start, plan.stop):
+        for q in range(plan.num_ranks):
+            for o in plan.deps(step, q):
+                out[(q, o)] = out.get((q, o), 0) + 1
+    return out
+
