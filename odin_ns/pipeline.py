@@ -36,6 +36,9 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
     dist_timeout_s: float = 120.0
     """Seconds a rank waits on its peers before it gives up (a dead or mismatched rank)."""
+    view_order: Literal["odin", "random"] = "odin"
+    """Which rank renders which view when: Odin's schedule (concurrent views share few blocks, ranks balanced by
+    cost) or nerfstudio's seeded random order cut into global batches. Every policy runs on either."""
     phase_length: int = 25
     """Most steps between two planning points (refine steps end a phase too). Read sets of a phase are inflated by
     the optimizer's largest motion over it: longer phases synchronize less often but read more blocks."""
@@ -95,4 +98,4 @@ class OdinPipeline(VanillaPipeline):
                             "(admitted delayed reads are not there yet)")
             self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
                                      seed, config.check_read_sets, policy=config.policy,
-                                     phase_length=config.phase_length)
+                                     phase_length=config.phase_length, view_order=config.view_order)

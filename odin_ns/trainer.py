@@ -86,6 +86,7 @@ class OdinTrainer(Trainer):
         """nerfstudio's end of training, with the collective parts (checkpoint, stats) before rank 0 may block in
         the viewer's "training complete" loop."""
         self.training_state = "completed"
+        self.engine.log.close()  # the last step ends here, before the final checkpoint's gather
         self.save_checkpoint(self.step)
         writer.write_out_storage()
         self.write_stats()

@@ -40,6 +40,7 @@ from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
 from odin_ns.scene.blocks import block_bounds, build_layout
 from odin_ns.scene.ownership import assign_contiguous
 from odin_ns.scene.read_sets import blocks_in_view, tight_step_bound
+from odin_ns.schedule.odin_order import OdinSchedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.views import ViewSchedule
 
@@ -61,7 +62,8 @@ class OdinEngine:
     """Owns the distributed state of one rank and runs its training steps."""
 
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
-                 check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25):
+                 check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
+                 view_order: str = "odin"):
         self.env = env
         self.policy = policy
         self.phase_length = phase_length
@@ -87,7 +89,24 @@ class OdinEngine:
         self.param_names = PARAM_NAMES
         self._projections: Dict[Tuple[int, int], Tuple] = {}
         self._shard_initial_model(block_size)
+        if view_order == "odin":
+            self.schedule = self._odin_schedule(micro_batch, datamanager.config.train_cameras_sampling_seed)
+        elif view_order != "random":
+            raise ValueError(f"unknown view order {view_order!r} (odin or random)")
         model.engine = self
+
+    def _odin_schedule(self, micro_batch: int, seed: int) -> OdinSchedule:
+        """Odin's order from the initial model: each view's read set (blocks) and cost (Gaussians it reads)."""
+        downscale = self.model._get_downscale_factor()
+        table, blocks, costs = self.table, [], []
+        for v in range(len(self.datamanager.train_dataset)):
+            viewmat, K, W, H = self._projection(v, downscale)
+            mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
+                                  max_scale=table.max_scale)[0] & (table.count > 0)
+            blocks.append(frozenset(torch.nonzero(mask).flatten().tolist()))
+            costs.append(float(table.count[mask].sum()))
+        return OdinSchedule(num_views=len(blocks), num_ranks=self.env.world_size, micro_batch=micro_batch,
+                            seed=seed, view_blocks=blocks, costs=costs)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 

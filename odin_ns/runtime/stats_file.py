@@ -21,24 +21,48 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _train_wall(records: List[dict]) -> float:
+    """From the first step's start to the last step's end, on the rank that finished last (the training loop)."""
+    if not records:
+        return 0.0
+    first = min(r["started"] for r in records)
+    last = max(r["started"] + r["wall_s"] for r in records)
+    return last - first
+
+
 def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
+    """Totals of a run. `train_wall_s` is the training loop's wall; per rank, render + update + bookkeeping +
+    loop + waits add up to that rank's share of it (its steps' walls)."""
     steps = sorted({r["step"] for r in records})
     views = sum(len(r["views"]) for r in records)
     compute = sum(r["compute_s"] for r in records)
     waits = {c: sum(r["wait_s"][c] for r in records) for c in CAUSES}
     busy = compute + sum(waits.values())
-    per_rank_compute = [sum(r["compute_s"] for r in records if r["rank"] == q) for q in range(world_size)]
+    per_rank = []
+    for q in range(world_size):
+        mine = [r for r in records if r["rank"] == q]
+        per_rank.append({
+            "render_s": sum(r["compute_s"] for r in mine),
+            "update_s": sum(r.get("update_s", 0.0) for r in mine),
+            "bookkeeping_s": sum(r.get("bookkeeping_s", 0.0) for r in mine),
+            "loop_s": sum(r.get("loop_s", 0.0) for r in mine),
+            "wait_s": {c: sum(r["wait_s"][c] for r in mine) for c in CAUSES},
+            "wall_s": sum(r.get("wall_s", 0.0) for r in mine),
+        })
+    train_wall = _train_wall(records)
     return {
         "ranks": world_size,
         "steps": len(steps),
         "views": views,
         "wall_s": wall_s,
-        "views_per_s": views / wall_s if wall_s > 0 else None,
+        "train_wall_s": train_wall,
+        "views_per_s": views / train_wall if train_wall > 0 else None,
         "compute_s": compute,
         "wait_s": waits,
         "wait_share": {c: (w / busy if busy else 0.0) for c, w in waits.items()},
         "wait_share_total": (sum(waits.values()) / busy) if busy else 0.0,
-        "no_wait_bound_s": max(per_rank_compute) if per_rank_compute else 0.0,
+        "per_rank": per_rank,
+        "no_wait_bound_s": max((p["render_s"] + p["update_s"] for p in per_rank), default=0.0),
         "peak_gaussians_owned": [max((r["gaussians_owned"] for r in records if r["rank"] == q), default=0)
                                  for q in range(world_size)],
         "peak_gaussians_replicated": [max((r["gaussians_replicated"] for r in records if r["rank"] == q),
@@ -48,12 +72,17 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
         "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),
+        "bytes_per_step": sum(r["bytes_sent"] for r in records) / len(steps) if steps else 0.0,
         "read_set_misses": sum(r.get("read_set_misses", 0) for r in records),
+        "misses_handled": sum(r.get("misses_handled", 0) for r in records),
+        "plan_violations": sum(r.get("plan_violations", 0) for r in records),
+        "phases": sum(1 for r in records if r.get("phase_start") and r["rank"] == 0),
     }
 
 
 def write_stats(log: WaitLog, world_size: int, wall_s: float, out_dir: Path, meta: Dict) -> Optional[Path]:
     """Collect every rank's records on rank 0 (collective when distributed) and write odin_stats.json there."""
+    log.close()
     mine = [r.to_dict() for r in log.records]
     if world_size > 1:
         everyone: List[Optional[list]] = [None] * world_size

@@ -44,6 +44,7 @@ class StepRecord:
     misses_handled: int = 0
     plan_violations: int = 0
     phase_start: bool = False
+    segments: List[list] = field(default_factory=list)  # [kind, start offset s, duration s] for timelines
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +56,7 @@ class StepRecord:
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
             "plan_violations": self.plan_violations, "phase_start": self.phase_start,
+            "segments": [[k, round(a, 6), round(d, 6)] for k, a, d in self.segments],
         }
 
 
@@ -104,7 +106,7 @@ class WaitLog:
             yield
         finally:
             self._depth = 0
-            self.current.wait_s[cause] += time.perf_counter() - started
+            self._segment(cause, started)
 
     @contextmanager
     def computing(self) -> Iterator[None]:
@@ -112,7 +114,7 @@ class WaitLog:
         try:
             yield
         finally:
-            self.current.compute_s += time.perf_counter() - started
+            self.current.compute_s += self._segment("render", started)
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -120,7 +122,17 @@ class WaitLog:
         try:
             yield
         finally:
-            self.current.update_s += time.perf_counter() - started
+            self.current.update_s += self._segment("update", started)
+
+    def _segment(self, kind: str, started: float) -> float:
+        """Record [kind, offset, duration] in the current step (waits also add to their cause); the duration."""
+        duration = time.perf_counter() - started
+        r = self.current
+        if kind in r.wait_s:
+            r.wait_s[kind] += duration
+        if len(r.segments) < 64:
+            r.segments.append([kind, started - r.started, duration])
+        return duration
 
     def add_traffic(self, sent: int, received: int) -> None:
         self.current.bytes_sent += sent
