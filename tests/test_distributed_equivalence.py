@@ -1,8 +1,10 @@
 """N real ranks (gloo, separate processes) equal one process training the same global batch, bit for bit.
 
-DESIGN.md semantics 1-2: step t renders every view of the global batch from the parameters after step t-1, sums
+DESIGN.md semantics 1-3: step t renders every view of the global batch from the parameters after step t-1, sums
 the gradients in rank order and applies selective Adam. One rank with a micro-batch of N views is that reference;
-N ranks with one view each must give the same parameters and Adam moments, through densification.
+N ranks with one view each must give the same parameters and Adam moments, through densification, with the
+global barrier (`odin-barrier`) and without it (`odin`, quality-first: a rank waits only for the blocks its views
+read).
 """
 
 from __future__ import annotations
@@ -32,18 +34,28 @@ def assert_same_training(a, b):
                 (name, key)
 
 
+def _stats(out):
+    return json.loads((run_dir(out) / "odin_stats.json").read_text())
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_ranks_equal_one_process_on_city(tmp_path, ranks):
-    args = FAST_TRAINING + ["--max-num-iterations", "32"]
+    args = FAST_TRAINING + ["--max-num-iterations", "32", "--pipeline.check-read-sets", "True"]
     # checkpoints (a gather of the whole model and its moments) along the way must not disturb training
     odin_train(ranks, "odin-barrier", args + ["--steps-per-save", "7"] + TINY_CITY, tmp_path / "dist")
+    odin_train(ranks, "odin", args + TINY_CITY, tmp_path / "odin")
     odin_train(1, "odin-barrier", args + ["--pipeline.micro-batch", str(ranks)] + TINY_CITY, tmp_path / "ref")
     dist, ref = _load(tmp_path / "dist"), _load(tmp_path / "ref")
     assert_same_training(dist, ref)
+    assert_same_training(_load(tmp_path / "odin"), ref)
+    odin_stats, barrier_stats = _stats(tmp_path / "odin"), _stats(tmp_path / "dist")
+    assert odin_stats["summary"]["wait_s"]["barrier"] == 0.0 < barrier_stats["summary"]["wait_s"]["barrier"]
+    assert odin_stats["summary"]["read_set_misses"] == 0
+    assert odin_stats["summary"]["phases"] >= 3, "the compared steps should span several phases"
     initial = 1500
     final = dist["pipeline"]["_model.gauss_params.means"].shape[0]
     assert final != initial, "densification did not run within the compared steps"
-    stats = json.loads((run_dir(tmp_path / "dist") / "odin_stats.json").read_text())
+    stats = _stats(tmp_path / "dist")
     owned = stats["summary"]["peak_gaussians_owned"]
     assert len(owned) == ranks and all(0 < o < final for o in owned), owned
     assert stats["summary"]["bytes_sent"] > 0
@@ -73,6 +85,30 @@ def test_ranks_equal_one_process_on_fox(tmp_path, ranks):
             "--pipeline.model.random-scale", "2.0"] + FAST_TRAINING + ["--max-num-iterations", "24",
                                                                        "instant-ngp-data"]
     odin_train(ranks, "odin-barrier", args, tmp_path / "dist")
+    odin_train(ranks, "odin", args, tmp_path / "odin")
     ref_args = args[:-1] + ["--pipeline.micro-batch", str(ranks), "instant-ngp-data"]
     odin_train(1, "odin-barrier", ref_args, tmp_path / "ref")
-    assert_same_training(_load(tmp_path / "dist"), _load(tmp_path / "ref"))
+    ref = _load(tmp_path / "ref")
+    assert_same_training(_load(tmp_path / "dist"), ref)
+    assert_same_training(_load(tmp_path / "odin"), ref)
+
+
+def test_a_gaussian_pushed_outside_its_planned_bounds_is_added_to_the_read_set(tmp_path):
+    """Semantics 6: a Gaussian moved by hand inside a phase (no optimizer can move it that far) onto the optical
+    axis of a view whose read set lacks its block. The owner's envelope check finds it, the block is added to that
+    view's read set before the view renders, and the result is still the synchronous one: odin equals
+    odin-barrier and one process, and the owners' exhaustive check finds no kept Gaussian outside what a view
+    rendered (without the repair it would count the pushed one)."""
+    args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"] + TINY_CITY
+    push = {"ODIN_NS_FAULT_PUSH": "6"}
+    odin_train(2, "odin", args, tmp_path / "odin", extra_env=push)
+    odin_train(2, "odin-barrier", args, tmp_path / "barrier", extra_env=push)
+    ref_args = args[:-len(TINY_CITY)] + ["--pipeline.micro-batch", "2"] + TINY_CITY
+    odin_train(1, "odin-barrier", ref_args, tmp_path / "ref", extra_env=push)
+    ref = _load(tmp_path / "ref")
+    assert_same_training(_load(tmp_path / "odin"), ref)
+    assert_same_training(_load(tmp_path / "barrier"), ref)
+    for run in ("odin", "barrier", "ref"):
+        summary = _stats(tmp_path / run)["summary"]
+        assert summary["plan_violations"] >= 1 and summary["misses_handled"] >= 1, (run, summary)
+        assert summary["read_set_misses"] == 0, (run, summary)

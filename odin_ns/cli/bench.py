@@ -1,12 +1,14 @@
 """`odin-bench`: measurements made side by side in one invocation (ratios, not absolute claims).
 
-    odin-bench render                      # CPU rasterizer forward+backward at the reference sizes
-    odin-bench train --ranks 2 --steps 200 # the same global batch: 1 rank (micro-batch N) vs N barrier ranks
+    odin-bench render                                        # CPU rasterizer forward+backward
+    odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--json FILE] [--out DIR]
 
-`train` runs `odin-train` once per configuration, one after the other on the same scene, seeds and steps, and
-prints views/s, the wait share by cause, per-rank Gaussians (owned and replicated) and the ideal: the busiest
-rank's summed compute, which bounds what any synchronization scheme can reach. Extra arguments after `--` go
-to every run (e.g. `-- odin-city --blocks-x 6`).
+`train` runs, one after the other in one invocation, on the same data, seeds and steps: `odin-barrier` on
+nerfstudio's random order, `odin-barrier` on Odin's schedule and `odin` on Odin's schedule. It prints one table
+(views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, the time breakdown per
+rank, bytes per step, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
+hidden as PNG, and with `--json` the rows. Extra arguments after `--` go to every run before the scene's data
+parser (e.g. `-- --pipeline.block-size 256`).
 """
 
 from __future__ import annotations
@@ -22,54 +24,149 @@ from typing import Dict, List, Optional
 from rich.console import Console
 from rich.table import Table
 
+from odin_ns.cli import bench_figures
+
 QUIET_RUN = ["--vis", "tensorboard", "--steps-per-eval-image", "0", "--steps-per-eval-all-images", "0",
              "--steps-per-eval-batch", "0", "--steps-per-save", "1000000"]
 
 
+SCENES = {
+    "city": ["odin-city"],
+    "city-aerial": ["--pipeline.block-size", "256", "odin-city", "--blocks-x", "6", "--blocks-y", "6",
+                    "--num-street-cameras", "0", "--num-aerial-cameras", "0", "--num-survey-cameras", "100",
+                    "--num-points", "8000"],
+    "fox": ["--pipeline.datamanager.camera-res-scale-factor", "0.125", "--pipeline.model.random-init", "True",
+            "--pipeline.model.num-random", "10000", "--pipeline.model.random-scale", "2.0", "instant-ngp-data"],
+}
+# (label, method, view order): barrier on nerfstudio's order (what a user would otherwise run), then every policy
+# on Odin's schedule
+RUNS = [("barrier, random order", "odin-barrier", "random"), ("barrier", "odin-barrier", "odin"),
+        ("odin", "odin", "odin")]
+DEFAULT_FOX = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fox"
+
+
 def run_training(ranks: int, method: str, args: List[str], out: Path) -> Dict:
+    """One `odin-train` run; its odin_stats.json (summary and per-step records) and its config path."""
     cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", str(ranks), method, "--output-dir", str(out),
            *QUIET_RUN, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"odin-bench: the {ranks}-rank {method} run failed")
-    stats = next(out.glob("**/odin_stats.json"))
-    return json.loads(stats.read_text())["summary"]
+    stats_path = next(out.glob("**/odin_stats.json"))
+    stats = json.loads(stats_path.read_text())
+    return {"summary": stats["summary"], "records": stats["steps"], "config": stats_path.parent / "config.yml"}
+
+
+def held_out_psnr(config: Path) -> Optional[float]:
+    """nerfstudio's own `ns-eval` on the run's final checkpoint (held-out views)."""
+    out = config.parent / "eval.json"
+    proc = subprocess.run([str(Path(sys.executable).with_name("ns-eval")), "--load-config", str(config),
+                           "--output-path", str(out)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-2000:])
+        return None
+    return float(json.loads(out.read_text())["results"]["psnr"])
+
+
+def scene_args(scene: str, data: Optional[Path]) -> List[str]:
+    if scene not in SCENES:
+        raise SystemExit(f"odin: error: unknown scene {scene!r} (choose from {', '.join(SCENES)})")
+    if scene == "fox":
+        folder = data or DEFAULT_FOX
+        if not (folder / "transforms.json").exists():
+            raise SystemExit(f"odin: error: no instant-ngp transforms.json under {folder} (give --data)")
+        return ["--data", str(folder)] + SCENES[scene]
+    return list(SCENES[scene])
+
+
+def compare(runs: List[Dict]) -> List[Dict]:
+    """DESIGN.md "Measuring": ideal = busiest rank's render + update in the barrier run on Odin's schedule;
+    wait = wall - ideal; hidden = 1 - wait / wait(barrier); speed-ups over that barrier run."""
+    barrier = next(r for r in runs if r["policy"] == "barrier" and r["schedule"] == "odin")
+    ideal = barrier["summary"]["no_wait_bound_s"]
+    barrier_wait = barrier["summary"]["train_wall_s"] - ideal
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        wall = s["train_wall_s"]
+        parts = {k: sum(p[k] for p in s["per_rank"]) / s["ranks"] for k in
+                 ("render_s", "update_s", "bookkeeping_s", "loop_s")}
+        waits = {c: sum(p["wait_s"][c] for p in s["per_rank"]) / s["ranks"] for c in s["wait_s"]}
+        rows.append({
+            "label": r["label"], "policy": r["policy"], "schedule": r["schedule"], "method": r["method"],
+            "views_per_s": s["views_per_s"], "wall_s": wall, "ideal_s": ideal,
+            "speedup": barrier["summary"]["train_wall_s"] / wall if wall else float("nan"),
+            "ideal_speedup": barrier["summary"]["train_wall_s"] / ideal if ideal else float("nan"),
+            "wait_s": wall - ideal,
+            "wait_hidden": 1 - (wall - ideal) / barrier_wait if barrier_wait > 0 else float("nan"),
+            "per_rank_mean_s": {**parts, **{f"wait_{c}_s": w for c, w in waits.items()}},
+            "bytes_per_step": s["bytes_per_step"], "psnr": r.get("psnr"),
+            "read_set_misses": s["read_set_misses"], "misses_handled": s["misses_handled"],
+            "mean_blocks_read": s["mean_blocks_read"], "mean_blocks_total": s["mean_blocks_total"],
+        })
+    return rows
+
+
+def print_table(rows: List[Dict], title: str) -> None:
+    table = Table(title=title)
+    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "render", "update", "bookkeeping", "loop",
+            "validate", "transfer", "barrier", "phase", "MB/step", "PSNR")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        p = r["per_rank_mean_s"]
+        table.add_row(r["label"], f"{r['views_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ideal_speedup']:.2f}x",
+                      f"{r['wait_hidden']:.0%}", *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s",
+                                                                             "loop_s", "wait_validate_s",
+                                                                             "wait_transfer_s", "wait_barrier_s",
+                                                                             "wait_phase_s")),
+                      f"{r['bytes_per_step'] / 1e6:.2f}", "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
+    Console(width=200).print(table)
+    print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
+          "busiest rank's render + update in the barrier run on Odin's schedule.")
 
 
 def train_main(argv: List[str]) -> int:
-    ap = argparse.ArgumentParser(prog="odin-bench train", description="barrier training, 1 rank vs N ranks")
+    ap = argparse.ArgumentParser(prog="odin-bench train", description="the policies side by side, one invocation")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--method", default="odin-barrier")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--scene", default="city", help="city, city-aerial or fox")
+    ap.add_argument("--data", type=Path, default=None, help="fox: another instant-ngp folder")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: arguments for every run")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the pictures (default odin-bench-SCENE)")
+    ap.add_argument("--no-psnr", action="store_true", help="skip the held-out evaluation of every run")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
+    if args.ranks < 2:
+        raise SystemExit("odin: error: --ranks must be at least 2 to compare synchronization policies")
+    scene = scene_args(args.scene, args.data)
     extra = [a for a in args.extra if a != "--"]
     base = ["--max-num-iterations", str(args.steps)]
-    # data-parser sub-commands must come last: put the run's own flags before the extra arguments
-    configs = [("1 rank, micro-batch %d" % args.ranks, 1, base + ["--pipeline.micro-batch", str(args.ranks)]),
-               (f"{args.ranks} ranks", args.ranks, base)]
-    results = []
+    out_dir = args.out or Path(f"odin-bench-{args.scene}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, ranks, flags in configs:
-            summary = run_training(ranks, args.method, flags + extra, Path(tmp) / label.replace(" ", "_"))
-            results.append((label, summary))
-    table = Table(title=f"{args.method}: same global batch ({args.ranks} views/step), {args.steps} steps")
-    for col in ("run", "views/s", "speed-up", "wait share", "barrier", "fetch", "transfer", "phase",
-                "ideal speed-up", "owned/rank", "replicated/rank"):
-        table.add_column(col, justify="right")
-    base_rate = results[0][1]["views_per_s"]
-    single_compute = results[0][1]["no_wait_bound_s"]
-    for label, s in results:
-        ideal = single_compute / s["no_wait_bound_s"] if s["no_wait_bound_s"] else float("nan")
-        table.add_row(label, f"{s['views_per_s']:.2f}", f"{s['views_per_s'] / base_rate:.2f}x",
-                      f"{s['wait_share_total']:.1%}", *(f"{s['wait_share'][c]:.1%}" for c in
-                                                       ("barrier", "fetch", "transfer", "phase")),
-                      f"{ideal:.2f}x", str(s["peak_gaussians_owned"]), str(s["peak_gaussians_replicated"]))
-    Console().print(table)
+        for label, method, order in RUNS:
+            print(f"odin-bench: {label} ({method}, {args.ranks} ranks, {args.steps} steps, {args.scene})",
+                  flush=True)
+            flags = base + ["--pipeline.view-order", order] + extra + scene
+            run = run_training(args.ranks, method, flags, Path(tmp) / label.replace(" ", "_").replace(",", ""))
+            run.update(label=label, method=method, schedule=order, ranks=args.ranks,
+                       policy={"odin-barrier": "barrier", "odin": "quality"}[method])
+            run["psnr"] = None if args.no_psnr else held_out_psnr(run["config"])
+            runs.append(run)
+    rows = compare(runs)
+    title = f"{args.scene}: {args.ranks} ranks, {args.steps} steps"
+    print_table(rows, title)
+    window = max(0, args.steps // 2)
+    pictures = [bench_figures.timeline([{"label": r["label"], "ranks": args.ranks, "records": r["records"]}
+                                        for r in runs], out_dir / "timeline.png", window, min(8, args.steps)),
+                bench_figures.bars(rows, rows[0]["ideal_speedup"], out_dir / "speedup.png", title)]
+    print("pictures: " + ", ".join(str(p) for p in pictures))
     if args.json:
-        args.json.write_text(json.dumps({label: s for label, s in results}, indent=2))
+        args.json.write_text(json.dumps({"scene": args.scene, "ranks": args.ranks, "steps": args.steps,
+                                         "runs": rows}, indent=2))
     return 0
 
 

@@ -64,6 +64,9 @@ class OdinCityDataParserConfig(DataParserConfig):
     """Street-level views (along streets, at facades, diagonal)."""
     num_aerial_cameras: int = 6
     """Low aerial oblique views."""
+    num_survey_cameras: int = 0
+    """Aerial survey views: a grid of near-nadir views above the roofs with photogrammetry-like overlap (each
+    sees a small part of the city: the case where read sets are selective). `odin-bench --scene city-aerial`."""
     supersample: int = 2
     """Anti-aliasing: supersample x supersample rays per pixel."""
     num_points: int = 4000
@@ -83,6 +86,7 @@ class OdinCityDataParserConfig(DataParserConfig):
         return CityConfig(
             seed=self.seed, blocks_x=self.blocks_x, blocks_y=self.blocks_y, width=self.width, height=self.height,
             num_street_cameras=self.num_street_cameras, num_aerial_cameras=self.num_aerial_cameras,
+            num_survey_cameras=self.num_survey_cameras,
             supersample=self.supersample, num_points=self.num_points, point_jitter=self.point_jitter,
             shadows=self.shadows,
         )

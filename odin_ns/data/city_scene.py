@@ -89,6 +89,8 @@ class CityConfig:
     height: int = 96
     num_street_cameras: int = 42
     num_aerial_cameras: int = 6
+    num_survey_cameras: int = 0
+    """An aerial survey above the roofs: a grid of near-nadir views, neighbours overlapping as in photogrammetry."""
     supersample: int = 2
     """Rays per pixel along each axis (anti-aliasing): supersample**2 rays per pixel."""
     num_points: int = 4000
@@ -102,9 +104,9 @@ class CityConfig:
             raise ValueError("blocks_x and blocks_y must be >= 1")
         if self.width < 8 or self.height < 8:
             raise ValueError("images must be at least 8x8")
-        if self.num_street_cameras < 0 or self.num_aerial_cameras < 0:
+        if self.num_street_cameras < 0 or self.num_aerial_cameras < 0 or self.num_survey_cameras < 0:
             raise ValueError("camera counts must be >= 0")
-        if self.num_street_cameras + self.num_aerial_cameras < 2:
+        if self.num_street_cameras + self.num_aerial_cameras + self.num_survey_cameras < 2:
             raise ValueError("need at least two cameras")
         if self.supersample < 1:
             raise ValueError("supersample must be >= 1")
@@ -112,7 +114,10 @@ class CityConfig:
             raise ValueError("num_points must be >= 1")
 
     def to_dict(self) -> Dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not d["num_survey_cameras"]:
+            del d["num_survey_cameras"]  # caches made before the survey existed keep their key
+        return d
 
     def key(self) -> str:
         """Stable hash of the config and the generator version: the cache folder's name."""
@@ -121,7 +126,7 @@ class CityConfig:
 
     @property
     def num_cameras(self) -> int:
-        return self.num_street_cameras + self.num_aerial_cameras
+        return self.num_street_cameras + self.num_aerial_cameras + self.num_survey_cameras
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -581,11 +586,41 @@ def make_cameras(cfg: CityConfig, city: City) -> CameraSet:
         fxs.append(f_aerial)
         kinds.append("aerial")
 
+    _survey_cameras(cfg, city, rng, f_aerial, c2ws, fxs, kinds)
     fx = np.array(fxs, dtype=np.float64)
     return CameraSet(
         c2w=np.stack(c2ws).reshape(-1, 4, 4), fx=fx, fy=fx.copy(), cx=np.full(len(fx), W / 2.0),
         cy=np.full(len(fx), H / 2.0), kind=kinds, width=W, height=H,
     )
+
+
+def _survey_cameras(cfg: CityConfig, city: City, rng, f: float, c2ws: List, fxs: List, kinds: List) -> None:
+    """A gx x gy grid over the city (MatrixCity's aerial set, drone photogrammetry): each view looks down, tilted by
+    10-20 degrees in a direction that turns from view to view, from a height where its ground footprint spans
+    about 2.5 grid spacings (60% overlap with the next view), at least 10 m above the highest roof."""
+    n = cfg.num_survey_cameras
+    if n == 0:
+        return
+    ext = city.city_extent
+    ex, ey = ext[1] - ext[0], ext[3] - ext[2]
+    gx = max(1, int(round(math.sqrt(n * ex / ey))))
+    gy = max(1, -(-n // gx))
+    dx = max(ex / gx, ey / gy)
+    half_fov = math.atan((cfg.width / 2) / f)
+    height = max(city.max_height + 10.0, 2.5 * dx / (2 * math.tan(half_fov)))
+    for i in range(n):
+        row, col = divmod(i, gx)
+        x = ext[0] + (col + 0.5 + rng.uniform(-0.15, 0.15)) * ex / gx
+        y = ext[2] + (row + 0.5 + rng.uniform(-0.15, 0.15)) * ey / gy
+        tilt = math.radians(rng.uniform(10, 20))
+        az = 2 * math.pi * ((i * 0.6180339887498949) % 1.0)
+        fwd = np.array([math.sin(tilt) * math.cos(az), math.sin(tilt) * math.sin(az), -math.cos(tilt)])
+        c2w = np.eye(4)
+        c2w[:3, :3] = look_rotation(fwd)
+        c2w[:3, 3] = (x, y, height + rng.uniform(-1.0, 1.0))
+        c2ws.append(c2w)
+        fxs.append(f)
+        kinds.append("survey")
 
 
 def _probe(city: City, c2w: np.ndarray, f: float, W: int, H: int, n: int = 12) -> Tuple[float, float]:
