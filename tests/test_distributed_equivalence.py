@@ -100,7 +100,7 @@ def test_a_gaussian_pushed_outside_its_planned_bounds_is_added_to_the_read_set(t
     odin-barrier and one process, and the owners' exhaustive check finds no kept Gaussian outside what a view
     rendered (without the repair it would count the pushed one)."""
     args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"] + TINY_CITY
-    push = {"ODIN_NS_FAULT_PUSH": "6"}
+    push = {"ODIN_NS_FAULT_PUSH": "8"}
     odin_train(2, "odin", args, tmp_path / "odin", extra_env=push)
     odin_train(2, "odin-barrier", args, tmp_path / "barrier", extra_env=push)
     ref_args = args[:-len(TINY_CITY)] + ["--pipeline.micro-batch", "2"] + TINY_CITY

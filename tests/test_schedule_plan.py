@@ -116,3 +116,22 @@ def test_tight_adam_bound_holds_for_adversarial_gradients():
     assert worst <= 1.0
     assert worst > 0.3  # the bound is not vacuous
     assert math.isclose(adam_ratio_cap(), 7.2703, rel_tol=1e-4)
+
+
+def test_simulator_predicts_waits_and_finds_deadlocks():
+    from odin_ns.schedule.simulate import Costs, Deadlock, parse_action, simulate, simulate_phase
+
+    # rank 1's views are slow: with the barrier rank 0 waits for them every step; without it, rank 0's step 11
+    # (its view reads block 2 of rank 1) still waits, but its step 10 does not
+    costs = Costs(render=lambda v: 1.0 if v in (7, 4) else 0.2, update=0.0, latency=0.0, phase=0.0)
+    exact = simulate([small_plan()], costs)
+    barrier = simulate([small_plan(barrier=True)], costs)
+    assert barrier.wall_s >= exact.wall_s
+    assert exact.busy_s == barrier.busy_s == [0.4, 2.0]
+    for a in small_plan().actions(1):
+        assert parse_action(repr(a), a.step) == a
+    # a hand-written list where both owners update before sending their gradients
+    lists = {0: [parse_action("R v5", 10), parse_action("U b0", 10), parse_action("G b3->r1", 10)],
+             1: [parse_action("R v7", 10), parse_action("U b3", 10), parse_action("G b1->r0", 10)]}
+    with pytest.raises(Deadlock, match="rank 0 at U b0"):
+        simulate_phase(lists, 10, costs, [0.0, 0.0], [0.0, 0.0])

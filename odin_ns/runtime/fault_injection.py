@@ -1,8 +1,9 @@
 """Fault injection for tests of semantics 6: move a Gaussian by hand inside a phase, outside its planned bounds.
 
-`ODIN_NS_FAULT_PUSH=STEP` makes the owner of the first block (in (rank, view, block) order of the plan) that a
-view of step STEP+1 does not read, and whose reader waits for that owner, move the block's first Gaussian onto
-that view's optical axis right after its update of STEP. No optimizer makes such a move (its motion is bounded),
+`ODIN_NS_FAULT_PUSH=STEP` picks the first step s >= STEP (inside one phase with s+1) where some view of step s+1
+does not read a non-empty block; the owner of the first such block (in (rank, view, block) order of the plan, the
+same for every split of the global batch) moves the block's first Gaussian onto that view's optical axis right after
+its update of s. It fires once. No optimizer makes such a move (its motion is bounded),
 so the plan's read sets miss it; the runtime must notice and still give the synchronous result. Every rank
 applies the same rule to the same plan, so the runs of every policy push the same Gaussian to the same place.
 """
@@ -18,9 +19,10 @@ import torch
 PUSH_DEPTH = 1.0  # world units in front of the camera
 
 
-@dataclass(frozen=True)
+@dataclass
 class FaultInjection:
     push_step: Optional[int] = None
+    fired: bool = False
 
     @classmethod
     def from_environment(cls) -> "FaultInjection":
@@ -28,18 +30,25 @@ class FaultInjection:
         return cls(push_step=int(value)) if value else cls()
 
     def apply(self, engine, step: int, params: Dict[str, torch.Tensor]) -> None:
-        if self.push_step != step:
+        if self.push_step is None or self.fired or step < self.push_step:
             return
         plan, me = engine.plan, engine.env.rank
         target = step + 1
         for q in range(plan.num_ranks):
             for j, ids in enumerate(plan.view_reads(target, q)):
                 for b in range(plan.num_blocks):
-                    o = plan.owner[b]
-                    if b in ids or int(engine.table.count[b]) == 0 or (o != q and o not in plan.deps(target, q)):
+                    if b in ids or int(engine.table.count[b]) == 0:
                         continue
+                    # The first candidate in global (view, block) order: the same in every split of the batch.
+                    o = plan.owner[b]
+                    if o != q and o not in plan.deps(target, q):
+                        raise RuntimeError(
+                            f"fault injection at step {step}: block {b} (rank {o}) is not read by view "
+                            f"{plan.rank_views(target, q)[j]} of rank {q}, which waits for nothing of rank {o}; "
+                            "no runtime can repair that miss, choose another ODIN_NS_FAULT_PUSH step")
                     if o == me:
                         self._push(engine, b, plan.rank_views(target, q)[j], params)
+                    self.fired = True
                     return
 
     @staticmethod

@@ -1,0 +1,129 @@
+"""Run per-rank action lists on a clock: predicted wall and waits of a phase, and a proof it cannot deadlock.
+
+The same lists the runtime interprets (`PhasePlan.actions`), played with per-view render costs, an owner-update
+cost, a message latency and a phase-boundary cost. Every rank advances through its list; an action that needs a
+message (a publication for `W`, every reader's gradients for `U`, every rank at `B`) waits until the message's
+sender has reached the matching action. If no rank can advance and some have actions left, the lists deadlock:
+`Deadlock` names what each stuck rank waits for. Hand-written lists (a schedule JSON with "actions") are checked
+the same way before anything runs (`odin-schedule --check`). Written here: PyTorch's pipelining simulator
+checks its own action kinds, not these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from odin_ns.schedule.plan import Action, PhasePlan
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+@dataclass
+class Costs:
+    """Seconds: render(view), one owner update per step, one message's latency, one phase boundary."""
+
+    render: Callable[[int], float]
+    update: float = 0.002
+    latency: float = 0.0003
+    phase: float = 0.005
+
+
+@dataclass
+class Prediction:
+    wall_s: float = 0.0
+    busy_s: List[float] = field(default_factory=list)  # per rank: render + update
+    wait_s: List[float] = field(default_factory=list)  # per rank: everything else
+
+
+def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Costs,
+                   clocks: List[float], busy: List[float]) -> List[float]:
+    """Advance every rank's clock through its list of one phase (starting at step `start`); new clocks."""
+    ranks = sorted(actions)
+    pos = {r: 0 for r in ranks}
+    clock = {r: clocks[r] for r in ranks}
+    phase_start = max(clocks)
+    sent: Dict[Tuple, float] = {}  # ("P"|"G", src, dst, step) -> time sent
+    expected_grads: Dict[Tuple[int, int], List[int]] = {}  # (owner, step) -> readers
+    for r in ranks:
+        for a in actions[r]:
+            if a.kind == "G":
+                expected_grads.setdefault((a.peer, a.step), []).append(r)
+    barrier_arrivals: Dict[int, Dict[int, float]] = {}
+    while True:
+        progressed = False
+        for r in ranks:
+            while pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                if a.kind == "R":
+                    clock[r] += costs.render(a.view)
+                    busy[r] += costs.render(a.view)
+                elif a.kind in ("G", "P"):
+                    sent[(a.kind, r, a.peer, a.step)] = clock[r]
+                elif a.kind == "W":
+                    if a.step == start:
+                        ready = phase_start
+                    elif ("P", a.peer, r, a.step - 1) in sent:
+                        ready = sent[("P", a.peer, r, a.step - 1)] + costs.latency
+                    else:
+                        break
+                    clock[r] = max(clock[r], ready)
+                elif a.kind == "U":
+                    readers = expected_grads.get((r, a.step), [])
+                    if any(("G", q, r, a.step) not in sent for q in readers):
+                        break
+                    ready = max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
+                    clock[r] = max(clock[r], ready) + costs.update
+                    busy[r] += costs.update
+                elif a.kind == "B":
+                    arrivals = barrier_arrivals.setdefault(a.step, {})
+                    arrivals.setdefault(r, clock[r])
+                    if len(arrivals) < len(ranks):
+                        break
+                    clock[r] = max(arrivals.values()) + costs.latency
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(actions[r]) for r in ranks):
+            return [clock[r] + costs.phase for r in ranks]
+        if not progressed:
+            stuck = [f"rank {r} at {actions[r][pos[r]]!r} (step {actions[r][pos[r]].step})"
+                     for r in ranks if pos[r] < len(actions[r])]
+            raise Deadlock("the plan deadlocks: " + "; ".join(stuck))
+
+
+def simulate(plans: Sequence[PhasePlan], costs: Costs, actions: Sequence[Dict[int, Sequence[Action]]] = ()
+             ) -> Prediction:
+    """Predicted wall of consecutive phases (each ends in a global synchronization)."""
+    if not plans:
+        return Prediction()
+    R = plans[0].num_ranks
+    clocks, busy = [0.0] * R, [0.0] * R
+    for i, plan in enumerate(plans):
+        lists = actions[i] if actions else {r: plan.actions(r) for r in range(R)}
+        ends = simulate_phase(lists, plan.start, costs, clocks, busy)
+        clocks = [max(ends)] * R
+    wall = max(clocks)
+    return Prediction(wall_s=wall, busy_s=busy, wait_s=[wall - b for b in busy])
+
+
+def parse_action(text: str, step: int) -> Action:
+    """Inverse of `Action.__repr__` for one action of one step (hand-written lists in a schedule JSON)."""
+    text = text.strip()
+    if text == "B":
+        return Action("B", step)
+    kind, _, rest = text.partition(" ")
+    if kind == "R":
+        return Action("R", step, view=int(rest.lstrip("v")))
+    if kind == "W":
+        body, _, peer = text.rpartition("<-r")
+        pairs = [w.strip().split("@v") for w in body.strip().split("W ")[1:]] if body.strip() else []
+        return Action("W", step, int(peer), tuple(int(b.lstrip("b")) for b, _ in pairs),
+                      tuple(int(v) for _, v in pairs))
+    if kind == "U":
+        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b))
+    if kind in ("G", "P"):
+        blocks, _, peer = rest.rpartition("->r")
+        return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b))
+    raise ValueError(f"unknown action {text!r}")
