@@ -31,7 +31,10 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     policy: Literal["quality", "throughput", "barrier"] = "quality"
     """Synchronization across ranks: quality-first (odin), throughput-first, or a global barrier every step."""
     block_size: int = 512
-    """Gaussians per block: the unit of ownership, versioning and transfer (Morton order runs)."""
+    """Most Gaussians per block: the unit of ownership, versioning and transfer."""
+    block_cut: Literal["kd", "morton"] = "kd"
+    """How blocks are cut: leaves of a balanced k-d split of the means (compact bounds, so a view reads few blocks)
+    or runs of Morton order (runs that cross a large octree cell span much of the scene)."""
     micro_batch: int = 1
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
     dist_timeout_s: float = 120.0
@@ -49,6 +52,25 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
     seed: int = 42
     """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
+
+
+def setup_model(config: OdinPipelineConfig, datamanager, device, grad_scaler: Optional[GradScaler] = None):
+    """The model, seeded from the dataset's points, identical on every rank (nerfstudio seeds by rank)."""
+    metadata = getattr(datamanager, "train_dataparser_outputs", None)
+    metadata = metadata.metadata if metadata is not None else {}
+    seed_points = None
+    if "points3D_xyz" in metadata:
+        seed_points = (metadata["points3D_xyz"], metadata["points3D_rgb"])
+    datamanager.to(device)
+    torch.manual_seed(config.seed)
+    return config.model.setup(
+        scene_box=datamanager.train_dataset.scene_box,
+        num_train_data=len(datamanager.train_dataset),
+        metadata=datamanager.train_dataset.metadata,
+        device=device,
+        grad_scaler=grad_scaler,
+        seed_points=seed_points,
+    )
 
 
 class OdinPipeline(VanillaPipeline):
@@ -72,22 +94,7 @@ class OdinPipeline(VanillaPipeline):
         self.datamanager = config.datamanager.setup(
             device=device, test_mode=test_mode, world_size=world_size, local_rank=local_rank
         )
-        metadata = getattr(self.datamanager, "train_dataparser_outputs", None)
-        metadata = metadata.metadata if metadata is not None else {}
-        seed_points = None
-        if "points3D_xyz" in metadata:
-            seed_points = (metadata["points3D_xyz"], metadata["points3D_rgb"])
-        self.datamanager.to(device)
-        seed = config.seed
-        torch.manual_seed(seed)  # the initial model must be identical on every rank (nerfstudio seeds by rank)
-        self._model = config.model.setup(
-            scene_box=self.datamanager.train_dataset.scene_box,
-            num_train_data=len(self.datamanager.train_dataset),
-            metadata=self.datamanager.train_dataset.metadata,
-            device=device,
-            grad_scaler=grad_scaler,
-            seed_points=seed_points,
-        )
+        self._model = setup_model(config, self.datamanager, device, grad_scaler)
         self.model.to(device)
         self.engine = None
         if test_mode == "val":  # training (nerfstudio's evaluation tools construct pipelines in test/inference)
@@ -97,5 +104,6 @@ class OdinPipeline(VanillaPipeline):
                 CONSOLE.log("odin: the throughput-first policy runs the quality-first (exact) path in this version "
                             "(admitted delayed reads are not there yet)")
             self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
-                                     seed, config.check_read_sets, policy=config.policy,
-                                     phase_length=config.phase_length, view_order=config.view_order)
+                                     config.seed, config.check_read_sets, policy=config.policy,
+                                     phase_length=config.phase_length, view_order=config.view_order,
+                                     block_cut=config.block_cut)

@@ -38,6 +38,7 @@ from odin_ns.runtime.transport import exchange
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
 from odin_ns.scene.blocks import block_bounds, build_layout
+from odin_ns.scene.kd_split import kd_order
 from odin_ns.scene.ownership import assign_contiguous
 from odin_ns.scene.read_sets import blocks_in_view, tight_step_bound
 from odin_ns.schedule.odin_order import OdinSchedule
@@ -63,8 +64,9 @@ class OdinEngine:
 
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
-                 view_order: str = "odin"):
+                 view_order: str = "odin", block_cut: str = "kd"):
         self.env = env
+        self.block_cut = block_cut
         self.policy = policy
         self.phase_length = phase_length
         self.end_step: int | None = None  # the trainer sets it: no phase plans messages past the last step
@@ -98,21 +100,26 @@ class OdinEngine:
     def _odin_schedule(self, micro_batch: int, seed: int) -> OdinSchedule:
         """Odin's order from the initial model: each view's read set (blocks) and cost (Gaussians it reads)."""
         downscale = self.model._get_downscale_factor()
-        table, blocks, costs = self.table, [], []
+        table, blocks, costs, homes = self.table, [], [], []
+        slots = self.env.world_size * micro_batch
+        # the share of each global slot: a contiguous cut per slot, independent of how slots are split into ranks
+        share = torch.as_tensor(assign_contiguous(table.count.numpy().astype(float), slots).owner)
         for v in range(len(self.datamanager.train_dataset)):
             viewmat, K, W, H = self._projection(v, downscale)
             mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
                                   max_scale=table.max_scale)[0] & (table.count > 0)
             blocks.append(frozenset(torch.nonzero(mask).flatten().tolist()))
             costs.append(float(table.count[mask].sum()))
+            per_slot = torch.zeros(slots).index_add_(0, share[mask], table.count[mask].double().float())
+            homes.append(int(torch.argmax(per_slot)))
         return OdinSchedule(num_views=len(blocks), num_ranks=self.env.world_size, micro_batch=micro_batch,
-                            seed=seed, view_blocks=blocks, costs=costs)
+                            seed=seed, view_blocks=blocks, costs=costs, view_home=homes)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _shard_initial_model(self, block_size: int) -> None:
-        """Cut the (identical on every rank) initial model into Morton blocks and keep this rank's share."""
+        """Cut the (identical on every rank) initial model into blocks (k-d leaves or Morton runs) and keep this rank's share."""
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
         for n, value in self._shard_full(params, block_size).items():
             self.model.gauss_params[n] = torch.nn.Parameter(value)
@@ -120,9 +127,9 @@ class OdinEngine:
         self._new_runner()
 
     def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int) -> Dict[str, torch.Tensor]:
-        """Lay the whole model out in Morton blocks, assign owners, build the table; this rank's rows of every
+        """Lay the whole model out in blocks, assign owners, build the table; this rank's rows of every
         tensor in `full` (parameters, or anything else with one row per Gaussian)."""
-        layout = build_layout(full["means"], torch.exp(full["scales"]), block_size=block_size)
+        layout = build_layout(full["means"], torch.exp(full["scales"]), block_size=block_size, cut=self.block_cut)
         order = layout.order.to(full["means"].device)
         ordered = {n: p[order] for n, p in full.items()}
         ownership = assign_contiguous(layout.counts.numpy().astype(float), self.env.world_size)
@@ -185,17 +192,19 @@ class OdinEngine:
                 return s + 1
         return stop
 
-    def _step_bound(self, name: str, optimizers, updates: int) -> float:
-        """Rigorous bound on how much one element of `name` can change in the next `updates` selective-Adam steps."""
+    def _step_bound(self, name: str, optimizers, updates: int, done: int | None = None) -> float:
+        """Rigorous bound on how much one element of `name` can change in the next `updates` selective-Adam steps
+        (`done`: Adam steps already taken, read from the optimizer unless given, as a preview without training
+        does)."""
         opt = optimizers.optimizers[name]
         group = opt.param_groups[0]
         lr = max(float(group["lr"]), float(group.get("initial_lr", group["lr"])))
         state = opt.state.get(self.model.gauss_params[name], {})
-        t = int(state["step"].item()) if "step" in state else 0
+        t = done if done is not None else (int(state["step"].item()) if "step" in state else 0)
         return sum(tight_step_bound(lr, group["betas"], t + 1 + i, group.get("bias_correction", True))
                    for i in range(updates))
 
-    def _plan_phase(self, start: int, optimizers) -> PhasePlan:
+    def _plan_phase(self, start: int, optimizers, done: int | None = None) -> PhasePlan:
         """Every rank derives the same plan: views from the schedule, read sets from the synced table's bounds
         inflated, step by step, by the motion the optimizer can make since the phase started."""
         stop = self._phase_stop(start)
@@ -203,8 +212,8 @@ class OdinEngine:
         views, reads, motion, growth = [], [], [], []
         table = self.table
         for i, step in enumerate(range(start, stop)):
-            m = math.sqrt(3.0) * self._step_bound("means", optimizers, i)
-            g = self._step_bound("scales", optimizers, i)
+            m = math.sqrt(3.0) * self._step_bound("means", optimizers, i, done)
+            g = self._step_bound("scales", optimizers, i, done)
             motion.append(m)
             growth.append(g)
             step_views = self.schedule.global_views(step)
@@ -484,9 +493,14 @@ class OdinEngine:
             if b in ranges and k:
                 s0, s1 = ranges[b]
                 block = {name: t[s0:s1] for name, t in rows.items()}
-                order = (morton_within(block["means"], cube) if k > 1
-                         else torch.arange(s1 - s0, device=block["means"].device))
-                for j, piece in enumerate(cut_rows(block, order, piece_sizes(s1 - s0, k))):
+                sizes = piece_sizes(s1 - s0, k)
+                if k == 1:
+                    order = torch.arange(s1 - s0, device=block["means"].device)
+                elif self.block_cut == "kd":
+                    order = kd_order(block["means"], sizes).to(block["means"].device)
+                else:
+                    order = morton_within(block["means"], cube)
+                for j, piece in enumerate(cut_rows(block, order, sizes)):
                     held[new_id + j] = piece
             new_id += k
         # blocks whose owner changes travel (values unchanged), then each rank keeps its own in id order

@@ -1,8 +1,9 @@
 """Phase-boundary rebuild: cut grown blocks, drop empty ones, renumber, rebalance ownership, move blocks.
 
 Densification makes blocks grow (gsplat's duplicates and splits stay in their parent's block). After a refine,
-a block holding more than twice `block_size` Gaussians is sorted in Morton order (in the global cube of the
-table's bounds) and cut into pieces of about `block_size`; empty blocks disappear; new ids follow the old order.
+a block holding more than twice `block_size` Gaussians is cut into pieces of about `block_size`: by a k-d split
+of its means, or for Morton blocks by Morton order in the global cube of the table's bounds; empty blocks
+disappear; new ids follow the old order.
 Every rank derives the same plan from the synced table, so the reference (one rank) and N ranks get the same
 blocks in the same order. Ownership is then rebalanced on the new sizes, moving as few blocks as it can, and the
 moved blocks travel to their new owners with their Adam moments.

@@ -1,7 +1,9 @@
-"""Blocks: runs of Morton order, the unit of ownership, versioning, transfer and scheduling.
+"""Blocks: compact groups of Gaussians, the unit of ownership, versioning, transfer and scheduling.
 
-`build_layout` sorts the Gaussians by the Morton code of their quantized means (stable: equal codes keep their
-index order) and cuts the sorted sequence into runs of `block_size`. The result, `BlockLayout`, is plain data
+`build_layout` orders the Gaussians either by a balanced k-d split of their means (`cut="kd"`, compact blocks
+of near-equal size; see `scene.kd_split`) or by the Morton code of their quantized means (`cut="morton"`,
+stable: equal codes keep their index order) and cuts the ordered sequence into consecutive blocks of at most
+`block_size`. The result, `BlockLayout`, is plain data
 (tensors and ints, no model references): it says which Gaussians form each block and how far each block extends,
 and can be rebuilt identically from the same inputs. The Gaussians themselves are not reordered: the canonical
 (global) order stays the model's order; `order` maps block-sorted positions to global indices.
@@ -18,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from odin_ns.scene.kd_split import kd_order, leaf_sizes
 from odin_ns.scene.morton import MAX_BITS, cube_bounds, morton_order
 
 DEFAULT_BLOCK_SIZE = 2048
@@ -70,8 +73,10 @@ def build_layout(
     block_size: int = DEFAULT_BLOCK_SIZE,
     bits: int = MAX_BITS,
     bounds: Optional[Tuple[Tensor, float]] = None,
+    cut: str = "morton",
 ) -> BlockLayout:
-    """Group Gaussians into blocks of `block_size` consecutive Gaussians in Morton order (the last may be smaller).
+    """Group Gaussians into blocks: k-d leaves of near-equal size at most `block_size` (`cut="kd"`), or runs of
+    `block_size` consecutive Gaussians in Morton order, the last one smaller (`cut="morton"`).
 
     Args:
         means: [N, 3] positions.
@@ -80,6 +85,7 @@ def build_layout(
         block_size: Gaussians per block.
         bits: Morton bits per axis (1..21).
         bounds: (lo [3], edge) of the quantization cube; default: the bounding cube of `means`.
+        cut: "kd" or "morton".
     """
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -88,9 +94,17 @@ def build_layout(
     means = means.detach().cpu()
     n = int(means.shape[0])
     cube_lo, cube_edge = cube_bounds(means) if bounds is None else (bounds[0].to(torch.float64).cpu(), bounds[1])
-    order, _ = morton_order(means, (cube_lo, cube_edge), bits)
-    num_blocks = (n + block_size - 1) // block_size
-    offsets = torch.clamp(torch.arange(num_blocks + 1, dtype=torch.int64) * block_size, max=n)
+    if cut == "kd":
+        sizes = torch.as_tensor(leaf_sizes(n, block_size) if n else [], dtype=torch.int64)
+        order = kd_order(means, sizes.tolist())
+        num_blocks = int(sizes.numel())
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
+    elif cut == "morton":
+        order, _ = morton_order(means, (cube_lo, cube_edge), bits)
+        num_blocks = (n + block_size - 1) // block_size
+        offsets = torch.clamp(torch.arange(num_blocks + 1, dtype=torch.int64) * block_size, max=n)
+    else:
+        raise ValueError(f"unknown block cut {cut!r} (kd or morton)")
     counts = offsets[1:] - offsets[:-1]
     block_of = torch.empty(n, dtype=torch.int64)
     block_of[order] = torch.repeat_interleave(torch.arange(num_blocks, dtype=torch.int64), counts)

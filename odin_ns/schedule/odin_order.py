@@ -8,7 +8,11 @@ a batch starts with the earliest view not yet placed and is filled, one by one, 
 earliest). Views that run at the same time then touch few common blocks, which is what lets the exact path
 run ranks apart. Then each step's views go to ranks by decreasing cost, each to the rank with the lowest summed
 cost so far that still has a free slot (longest-processing-time first, over the whole run: the exact path lets
-ranks drift inside a phase, so balance is kept over many steps, not within each). Loads are kept per global
+ranks drift inside a phase, so balance is kept over many steps, not within each), unless the view's home slot
+is free and its load is within `slack` mean view costs of that lowest one: then it goes home. A view's home is
+the slot whose share of the blocks (a contiguous cut of the Morton blocks into one share per global slot, which
+is how the initial ownership cuts them per rank) holds most of the Gaussians it reads, so a rank mostly renders
+views of the blocks it owns and waits less for the others. Loads are kept per global
 slot (rank r holds slots r*B .. r*B+B-1 with a micro-batch of B), so the order does not depend on how the
 global batch is split into ranks.
 
@@ -34,7 +38,9 @@ class OdinSchedule:
     seed: int
     view_blocks: Sequence[frozenset]  # per training view: the blocks it reads
     costs: Sequence[float]  # per training view: its predicted cost
+    view_home: Sequence[int] = ()  # per training view: the global slot whose blocks it reads most (or none)
     window: int = 0  # 0: four global batches
+    slack: float = 4.0  # a view goes to its home slot while that slot's load is within slack x mean cost
     _stream: List[int] = field(default_factory=list, repr=False, compare=False)
     _steps: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
     _loads: List[float] = field(default_factory=list, repr=False, compare=False)
@@ -46,6 +52,9 @@ class OdinSchedule:
             raise ValueError("ranks and micro-batch must be at least 1")
         if len(self.view_blocks) != self.num_views or len(self.costs) != self.num_views:
             raise ValueError("view_blocks and costs need one entry per training view")
+        if self.view_home and len(self.view_home) != self.num_views:
+            raise ValueError("view_home needs one entry per training view")
+        self._tolerance = self.slack * sum(self.costs) / self.num_views
         self._rng = random.Random(self.seed)
         self._loads = [0.0] * self.global_batch  # per global slot (rank r holds slots r*B .. r*B+B-1)
 
@@ -82,7 +91,11 @@ class OdinSchedule:
             batch = self._stream[t * G:(t + 1) * G]
             slots: List[int] = [-1] * G
             for v in sorted(batch, key=lambda v: (-self.costs[v], batch.index(v))):
-                k = min((k for k in range(G) if slots[k] < 0), key=lambda k: (self._loads[k], k))
+                free = [k for k in range(G) if slots[k] < 0]
+                k = min(free, key=lambda k: (self._loads[k], k))
+                home = self.view_home[v] if self.view_home else -1
+                if home in free and self._loads[home] <= self._loads[k] + self._tolerance:
+                    k = home
                 slots[k] = v
                 self._loads[k] += self.costs[v]
             per_rank = [slots[r * B:(r + 1) * B] for r in range(self.num_ranks)]

@@ -23,12 +23,14 @@ class Deadlock(RuntimeError):
 
 @dataclass
 class Costs:
-    """Seconds: render(view), one owner update per step, one message's latency, one phase boundary."""
+    """Seconds: render(view), one owner update per step, one message's latency, one phase boundary, and the
+    per-step work that is neither rendering nor an update (bookkeeping, the training loop)."""
 
     render: Callable[[int], float]
     update: float = 0.002
     latency: float = 0.0003
     phase: float = 0.005
+    overhead: float = 0.0
 
 
 @dataclass
@@ -36,6 +38,11 @@ class Prediction:
     wall_s: float = 0.0
     busy_s: List[float] = field(default_factory=list)  # per rank: render + update
     wait_s: List[float] = field(default_factory=list)  # per rank: everything else
+
+    @property
+    def ideal_s(self) -> float:
+        """The busiest rank's render + update (DESIGN.md "Measuring"): no synchronization goes below it."""
+        return max(self.busy_s, default=0.0)
 
 
 def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Costs,
@@ -75,7 +82,7 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     if any(("G", q, r, a.step) not in sent for q in readers):
                         break
                     ready = max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
-                    clock[r] = max(clock[r], ready) + costs.update
+                    clock[r] = max(clock[r], ready) + costs.update + costs.overhead
                     busy[r] += costs.update
                 elif a.kind == "B":
                     arrivals = barrier_arrivals.setdefault(a.step, {})

@@ -1,0 +1,82 @@
+"""The plan of a training run, made without training: what `odin-schedule` prints and writes.
+
+It builds what a rank builds at start-up (nerfstudio's datamanager and the odin model from the same config,
+the Morton blocks and their owners for N ranks, Odin's view order) in this one process, then plans the phases
+of the first K steps the way the runtime does at each phase start. Phases after a refine step are planned at
+run time from the refined blocks; the preview plans them from the initial blocks (with the optimizer's motion
+bound of their true step count), so their read sets are what an unchanged model would read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from nerfstudio.engine.optimizers import Optimizers
+
+from odin_ns.runtime.dist_env import DistEnv
+from odin_ns.runtime.engine import NEAR_PLANE, OdinEngine
+from odin_ns.scene.read_sets import blocks_in_view
+from odin_ns.schedule.plan import PhasePlan
+
+
+@dataclass
+class Preview:
+    """Plans of consecutive phases and what the schedule needs about each view and block."""
+
+    ranks: int
+    plans: List[PhasePlan]
+    gaussians_read: List[float]  # per training view, at the phase start (initial blocks)
+    pixels: List[int]  # per training view, at the model's render resolution
+    block_counts: List[int]
+    block_extent: List[float]  # per block: the diagonal of its bound box / the diagonal of the scene's points
+    num_views: int
+
+    def barrier_plans(self) -> List[PhasePlan]:
+        """The same plans with odin-barrier's global barrier after every step."""
+        return [dataclasses.replace(p, barrier=True) for p in self.plans]
+
+    def to_dict(self) -> Dict:
+        return {"ranks": self.ranks, "num_views": self.num_views,
+                "blocks": {"count": self.block_counts, "extent": [round(e, 4) for e in self.block_extent]},
+                "views": {"gaussians_read": self.gaussians_read, "pixels": self.pixels},
+                "phases": [p.to_dict() for p in self.plans]}
+
+
+def build_preview(config, ranks: int, steps: int, first_step: int = 0) -> Preview:
+    """Plans for steps [first_step, first_step + steps) of the run `config` (an OdinTrainerConfig) on `ranks`."""
+    config.pipeline.seed = config.machine.seed
+    pipe = config.pipeline
+    datamanager = pipe.datamanager.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
+    from odin_ns.pipeline import setup_model  # the pipeline module imports the engine; keep this one light
+
+    model = setup_model(pipe, datamanager, "cpu")
+    engine = OdinEngine(DistEnv(rank=0, world_size=ranks), model, datamanager, pipe.block_size, pipe.micro_batch,
+                        pipe.seed, policy=pipe.policy, phase_length=pipe.phase_length, view_order=pipe.view_order,
+                        block_cut=pipe.block_cut)
+    optimizers = Optimizers(config.optimizers.copy(), model.get_param_groups())
+    engine.end_step = first_step + steps
+    plans, start = [], first_step
+    while start < first_step + steps:
+        plan = engine._plan_phase(start, optimizers, done=start)
+        plans.append(plan)
+        start = plan.stop
+    table = engine.table
+    downscale = model._get_downscale_factor()
+    gaussians, pixels = [], []
+    for v in range(len(datamanager.train_dataset)):
+        viewmat, K, W, H = engine._projection(v, downscale)
+        mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
+                              max_scale=table.max_scale)[0] & (table.count > 0)
+        gaussians.append(float(table.count[mask].sum()))
+        pixels.append(W * H)
+    filled = table.count > 0
+    scene = (table.lo[filled].amin(0), table.hi[filled].amax(0))
+    scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
+    extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
+              for b in range(len(table.count))]
+    return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=pixels,
+                   block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians))
