@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Type
 
 import torch
+import torch.distributed as dist
 
 from nerfstudio.engine.callbacks import TrainingCallbackLocation
 from nerfstudio.engine.trainer import Trainer, TrainerConfig
@@ -78,6 +79,10 @@ class OdinTrainer(Trainer):
         return self.pipeline.engine
 
     def train(self) -> None:
+        if self.env.distributed:
+            # ranks start the first step together: set-up skew (one rank still caching its images) is not a
+            # wait of training, and would otherwise land in the first phase boundary of whichever policy runs first
+            dist.barrier()
         self._started = time.perf_counter()
         self.engine.end_step = self._start_step + self.config.max_num_iterations
         super().train()

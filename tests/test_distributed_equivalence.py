@@ -67,6 +67,24 @@ def test_ranks_equal_one_process_on_city(tmp_path, ranks):
     assert len(set(views)) == ranks, f"ranks drew the same camera: {views}"
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_odin_equals_barrier_on_the_aerial_survey(tmp_path, ranks):
+    """The aerial capture, where read sets are local (views read a part of the blocks): odin's waits follow the
+    data alone, and after densification, block cuts and a rebalance it still holds what odin-barrier holds."""
+    aerial = ["--pipeline.block-size", "64", "odin-city", "--width", "48", "--height", "36", "--blocks-x", "6",
+              "--blocks-y", "6", "--num-street-cameras", "0", "--num-aerial-cameras", "0",
+              "--num-survey-cameras", "16", "--num-points", "2000"]
+    args = FAST_TRAINING + ["--max-num-iterations", "27"] + aerial  # refines at 20 and 25 (after 16 views)
+    odin_train(ranks, "odin-barrier", args, tmp_path / "barrier")
+    odin_train(ranks, "odin", args, tmp_path / "odin")
+    assert_same_training(_load(tmp_path / "odin"), _load(tmp_path / "barrier"))
+    stats = _stats(tmp_path / "odin")
+    blocks = [r["blocks_total"] for r in stats["steps"] if r["rank"] == 0]
+    assert blocks[-1] > blocks[0], f"grown blocks were never cut: {blocks[0]} -> {blocks[-1]}"
+    assert stats["summary"]["wait_s"]["barrier"] == 0.0
+    assert any(r["blocks_read"] < r["blocks_total"] // 2 for r in stats["steps"]), "no view read a local part"
+
+
 def test_ranks_that_own_no_block_still_take_part(tmp_path):
     """One block for three ranks: two ranks own nothing, fetch everything, and the result is still the reference."""
     args = FAST_TRAINING + ["--max-num-iterations", "8", "--pipeline.block-size", "100000"]

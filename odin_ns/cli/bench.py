@@ -1,13 +1,15 @@
 """`odin-bench`: measurements made side by side in one invocation (ratios, not absolute claims).
 
     odin-bench render                                        # CPU rasterizer forward+backward
-    odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--json FILE] [--out DIR]
+    odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--repeat N] [--json FILE] [--out DIR]
+                     [--keep-runs]
 
 `train` runs, one after the other in one invocation, on the same data, seeds and steps: `odin-barrier` on
 nerfstudio's random order, `odin-barrier` on Odin's schedule and `odin` on Odin's schedule. It prints one table
 (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, the time breakdown per
 rank, bytes per step, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
-hidden as PNG, and with `--json` the rows. Extra arguments after `--` go to every run before the scene's data
+hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
+order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra arguments after `--` go to every run before the scene's data
 parser (e.g. `-- --pipeline.block-size 256`).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,6 +83,16 @@ def scene_args(scene: str, data: Optional[Path]) -> List[str]:
     return list(SCENES[scene])
 
 
+def median_run(tries: List[Dict]) -> Dict:
+    """The round of a run with the median training wall (the lower middle one of an even count); it carries the
+    first round's PSNR and every round's wall."""
+    ordered = sorted(tries, key=lambda r: r["summary"]["train_wall_s"])
+    run = dict(ordered[(len(ordered) - 1) // 2])
+    run["psnr"] = tries[0]["psnr"]
+    run["round_walls_s"] = [r["summary"]["train_wall_s"] for r in tries]
+    return run
+
+
 def compare(runs: List[Dict]) -> List[Dict]:
     """DESIGN.md "Measuring": ideal = busiest rank's render + update in the barrier run on Odin's schedule;
     wait = wall - ideal; hidden = 1 - wait / wait(barrier); speed-ups over that barrier run."""
@@ -102,6 +115,7 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "wait_hidden": 1 - (wall - ideal) / barrier_wait if barrier_wait > 0 else float("nan"),
             "per_rank_mean_s": {**parts, **{f"wait_{c}_s": w for c, w in waits.items()}},
             "bytes_per_step": s["bytes_per_step"], "psnr": r.get("psnr"),
+            "round_walls_s": r.get("round_walls_s", [wall]),
             "read_set_misses": s["read_set_misses"], "misses_handled": s["misses_handled"],
             "mean_blocks_read": s["mean_blocks_read"], "mean_blocks_total": s["mean_blocks_total"],
         })
@@ -136,6 +150,10 @@ def train_main(argv: List[str]) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--out", type=Path, default=None, help="folder for the pictures (default odin-bench-SCENE)")
     ap.add_argument("--no-psnr", action="store_true", help="skip the held-out evaluation of every run")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every run (alternating order); each run reports its median-wall round")
+    ap.add_argument("--keep-runs", action="store_true",
+                    help="keep every run's outputs (config, checkpoint, odin_stats.json) under OUT/runs")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
     if args.ranks < 2:
@@ -145,17 +163,28 @@ def train_main(argv: List[str]) -> int:
     base = ["--max-num-iterations", str(args.steps)]
     out_dir = args.out or Path(f"odin-bench-{args.scene}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = []
+    if args.repeat < 1:
+        raise SystemExit("odin: error: --repeat must be at least 1")
+    tries: Dict[str, List[Dict]] = {label: [] for label, _, _ in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, method, order in RUNS:
-            print(f"odin-bench: {label} ({method}, {args.ranks} ranks, {args.steps} steps, {args.scene})",
-                  flush=True)
-            flags = base + ["--pipeline.view-order", order] + extra + scene
-            run = run_training(args.ranks, method, flags, Path(tmp) / label.replace(" ", "_").replace(",", ""))
-            run.update(label=label, method=method, schedule=order, ranks=args.ranks,
-                       policy={"odin-barrier": "barrier", "odin": "quality"}[method])
-            run["psnr"] = None if args.no_psnr else held_out_psnr(run["config"])
-            runs.append(run)
+        if args.keep_runs:
+            tmp = str(out_dir / "runs")
+        for rep in range(args.repeat):
+            # every other round in reverse, so that a machine that slows down (or speeds up) over the invocation
+            # does not favour the runs that come first
+            for label, method, order in (RUNS if rep % 2 == 0 else RUNS[::-1]):
+                print(f"odin-bench: {label} ({method}, {args.ranks} ranks, {args.steps} steps, {args.scene}"
+                      f"{f', round {rep + 1} of {args.repeat}' if args.repeat > 1 else ''})", flush=True)
+                flags = base + ["--pipeline.view-order", order] + extra + scene
+                run_dir = Path(tmp) / f"{label.replace(' ', '_').replace(',', '')}{f'_{rep}' if rep else ''}"
+                shutil.rmtree(run_dir, ignore_errors=True)  # a kept run of an earlier invocation
+                run = run_training(args.ranks, method, flags, run_dir)
+                run.update(label=label, method=method, schedule=order, ranks=args.ranks,
+                           policy={"odin-barrier": "barrier", "odin": "quality"}[method])
+                # the trained model is the same in every round (same seeds and steps): evaluate it once
+                run["psnr"] = None if args.no_psnr or rep else held_out_psnr(run["config"])
+                tries[label].append(run)
+    runs = [median_run(tries[label]) for label, _, _ in RUNS]
     rows = compare(runs)
     title = f"{args.scene}: {args.ranks} ranks, {args.steps} steps"
     print_table(rows, title)

@@ -91,6 +91,11 @@ class OdinEngine:
         self.param_names = PARAM_NAMES
         self._projections: Dict[Tuple[int, int], Tuple] = {}
         self._shard_initial_model(block_size)
+        # every training camera's projection now (set-up, whatever the order): the first plan of training would
+        # otherwise pay for it, seconds on the first views, and count it as a phase wait
+        downscale = model._get_downscale_factor()
+        for v in range(len(datamanager.train_dataset)):
+            self._projection(v, downscale)
         if view_order == "odin":
             self.schedule = self._odin_schedule(micro_batch, datamanager.config.train_cameras_sampling_seed)
         elif view_order != "random":
