@@ -99,6 +99,65 @@ def test_odin_order_does_not_depend_on_how_the_batch_is_split():
         assert [v for r in two.global_views(t) for v in r] == one.global_views(t)[0]
 
 
+def _regional(num_views=30, ranks=2, micro=1, seed=5):
+    """Views along a street of 24 blocks, each reading the 3-7 blocks around its position; the blocks are cut into
+    one contiguous share per global slot, and a view's affinity is how many of its blocks lie in each share."""
+    rng = random.Random(seed)
+    G = ranks * micro
+    share = [b * G // 24 for b in range(24)]
+    blocks, affinity = [], []
+    for _ in range(num_views):
+        c, w = rng.randrange(24), rng.randint(1, 3)
+        view = frozenset(range(max(0, c - w), min(24, c + w + 1)))
+        blocks.append(view)
+        affinity.append([float(sum(share[b] == k for b in view)) for k in range(G)])
+    costs = [float(len(b)) for b in blocks]
+    sched = OdinSchedule(num_views, ranks, micro, 42, blocks, costs, view_affinity=affinity)
+    return sched, blocks, affinity, share
+
+
+@pytest.mark.parametrize("ranks,micro", [(2, 1), (3, 1), (2, 2), (4, 1)])
+def test_regional_order_sees_every_view_once_per_epoch_in_equal_shares(ranks, micro):
+    sched, _, _, _ = _regional(ranks=ranks, micro=micro)
+    G = ranks * micro
+    for t in range(60):
+        sched.global_views(t)
+    stream = sched._stream
+    for e in range(60 * G // 30):
+        epoch = stream[30 * e:30 * (e + 1)]
+        assert sorted(epoch) == list(range(30))
+        per_slot = [sum(1 for i in range(30) if (30 * e + i) % G == k) for k in range(G)]
+        assert max(per_slot) - min(per_slot) <= 1
+
+
+def test_regional_order_keeps_ranks_in_their_region_and_apart():
+    sched, blocks, affinity, share = _regional(num_views=40, ranks=2)
+    rand = ViewSchedule(40, 2, 1, 42)
+    at_home = coupled_odin = coupled_random = 0
+    for t in range(200):
+        views = [v[0] for v in sched.global_views(t)]
+        at_home += sum(affinity[v][r] == max(affinity[v]) for r, v in enumerate(views))
+        for order, name in ((sched, "odin"), (rand, "random")):
+            now = [v[0] for v in order.global_views(t)]
+            nxt = [v[0] for v in order.global_views(t + 1)]
+            # rank 0's next view reads a block of rank 1's share that rank 1 has just read (and updated), or back
+            hit = any(share[b] == 1 for b in blocks[nxt[0]] & blocks[now[1]]) or \
+                any(share[b] == 0 for b in blocks[nxt[1]] & blocks[now[0]])
+            if name == "odin":
+                coupled_odin += hit
+            else:
+                coupled_random += hit
+    assert at_home >= 0.8 * 400
+    assert coupled_odin < 0.6 * coupled_random
+
+
+def test_regional_order_does_not_depend_on_how_the_batch_is_split():
+    two, _, _, _ = _regional(ranks=2, micro=1)
+    one, _, _, _ = _regional(ranks=1, micro=2)
+    for t in range(40):
+        assert [v for r in two.global_views(t) for v in r] == one.global_views(t)[0]
+
+
 def test_tight_adam_bound_holds_for_adversarial_gradients():
     """Selective Adam's real updates never exceed the bound, whatever the gradient sequence."""
     torch.manual_seed(0)

@@ -105,7 +105,7 @@ class OdinEngine:
     def _odin_schedule(self, micro_batch: int, seed: int) -> OdinSchedule:
         """Odin's order from the initial model: each view's read set (blocks) and cost (Gaussians it reads)."""
         downscale = self.model._get_downscale_factor()
-        table, blocks, costs, homes = self.table, [], [], []
+        table, blocks, costs, affinity = self.table, [], [], []
         slots = self.env.world_size * micro_batch
         # the share of each global slot: a contiguous cut per slot, independent of how slots are split into ranks
         share = torch.as_tensor(assign_contiguous(table.count.numpy().astype(float), slots).owner)
@@ -116,9 +116,10 @@ class OdinEngine:
             blocks.append(frozenset(torch.nonzero(mask).flatten().tolist()))
             costs.append(float(table.count[mask].sum()))
             per_slot = torch.zeros(slots).index_add_(0, share[mask], table.count[mask].double().float())
-            homes.append(int(torch.argmax(per_slot)))
+            affinity.append(per_slot.tolist())
         return OdinSchedule(num_views=len(blocks), num_ranks=self.env.world_size, micro_batch=micro_batch,
-                            seed=seed, view_blocks=blocks, costs=costs, view_home=homes)
+                            seed=seed, view_blocks=blocks, costs=costs,
+                            view_affinity=affinity if slots > 1 else ())
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 

@@ -172,18 +172,23 @@ class PhaseRunner:
 
     def collect(self, step: int, contributions: Sequence[torch.Tensor],
                 view_ids: Sequence[List[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(owned row indices, rows) of every contribution to this rank's blocks at `step`, in reference order:
-        rank order, then view order (a Gaussian gets at most one row from each view)."""
+        """(owned row indices, rows) of every contribution to this rank's blocks at `step`, one pair per view, in
+        reference order: rank order, then view order. A Gaussian gets at most one row from each view, so the
+        indices of a pair are distinct and adding a pair at once adds every row exactly as one by one would."""
         plan, me = self.plan, self.env.rank
         out: List[Tuple[torch.Tensor, torch.Tensor]] = []
         readers = set(plan.readers(step, me))
         for q in range(plan.num_ranks):
             if q == me:
                 for j, ids in enumerate(view_ids):
+                    idx, rows = [], []
                     for b, (s, e) in self._slices(ids).items():
                         if b in self.ranges:
                             r0 = self.ranges[b][0]
-                            out.append((torch.arange(r0, r0 + e - s, device=self.device), contributions[j][s:e]))
+                            idx.append(torch.arange(r0, r0 + e - s, device=self.device))
+                            rows.append(contributions[j][s:e])
+                    if idx:
+                        out.append((torch.cat(idx), torch.cat(rows)))
                 continue
             if q not in readers:
                 continue
@@ -191,11 +196,19 @@ class PhaseRunner:
             counts = self.mail.recv_ints(len(entries), q, TAG_GRAD, "transfer")
             rows = self.mail.recv_rows(int(counts.sum()), self.grad_width + 1, torch.float32, q, TAG_GRAD,
                                        "transfer")
+            # entries are in (view, block) order: the rows of one view are contiguous in the message
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]).tolist()
+            first = torch.tensor([self.ranges[b][0] for _, b in entries], dtype=torch.int64)
+            base = torch.repeat_interleave(first, counts).to(self.device)
             start = 0
-            for (_, b), n in zip(entries, counts.tolist()):
-                piece = rows[start:start + n]
-                start += n
-                out.append((piece[:, 0].long() + self.ranges[b][0], piece[:, 1:]))
+            for k in range(len(entries)):
+                if k + 1 < len(entries) and entries[k + 1][0] == entries[k][0]:
+                    continue
+                stop = offsets[k + 1]
+                if stop > start:
+                    piece = rows[start:stop]
+                    out.append((piece[:, 0].long() + base[start:stop], piece[:, 1:]))
+                start = stop
         return out
 
     # ---- after the owner's update ------------------------------------------------------------------------

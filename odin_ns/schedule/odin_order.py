@@ -1,20 +1,26 @@
-"""Odin's view order: the same views per epoch as nerfstudio's, grouped so that concurrent views share few blocks,
-and placed on ranks so that every rank's summed cost stays balanced.
+"""Odin's view order: the same views per epoch as nerfstudio's, placed so that the views running at the same time,
+and the views one rank runs next, share few blocks with what the other ranks are updating, with every rank's
+summed cost balanced.
 
 Each epoch is nerfstudio's seeded permutation of the training views (`ViewSchedule`'s), so every view is seen
-once per epoch. Within an epoch the views are regrouped into global batches (one step's views on all ranks):
-a batch starts with the earliest view not yet placed and is filled, one by one, with the view from the next
-`window` of the permutation that shares the fewest blocks with the views already in the batch (ties: the
-earliest). Views that run at the same time then touch few common blocks, which is what lets the exact path
-run ranks apart. Then each step's views go to ranks by decreasing cost, each to the rank with the lowest summed
-cost so far that still has a free slot (longest-processing-time first, over the whole run: the exact path lets
-ranks drift inside a phase, so balance is kept over many steps, not within each), unless the view's home slot
-is free and its load is within `slack` mean view costs of that lowest one: then it goes home. A view's home is
-the slot whose share of the blocks (a contiguous cut of the Morton blocks into one share per global slot, which
-is how the initial ownership cuts them per rank) holds most of the Gaussians it reads, so a rank mostly renders
-views of the blocks it owns and waits less for the others. Loads are kept per global
-slot (rank r holds slots r*B .. r*B+B-1 with a micro-batch of B), so the order does not depend on how the
-global batch is split into ranks.
+once per epoch, and the epoch's views are a contiguous run of the global stream that steps are cut from (step t
+takes positions [t*G, (t+1)*G), G = ranks x micro-batch, position p going to global slot p mod G; rank r holds
+slots r*B .. r*B+B-1).
+
+With regions (`view_affinity`, the default the engine builds): the blocks are cut into one contiguous share per
+global slot (the way the initial ownership cuts them per rank), and each view goes to the slot whose share holds
+most of the Gaussians it reads, as far as that slot's places in the epoch allow (views that lie mostly in one
+share are placed first; those moved to a neighbour straddle the cut). A slot's views keep the permutation's
+order. A rank then mostly renders views of the blocks it owns: it sends few gradients, receives few
+publications, and, on the exact path, waits for another rank only when its next view reads blocks that rank has
+just updated, which happens near the cut only. Every slot renders the same number of views per epoch, so ranks
+stay balanced over an epoch as far as views' costs allow (balance over the phase, not each step: the exact path
+lets ranks drift inside a phase).
+
+Without regions (one slot, or `view_affinity` not given): a global batch starts with the earliest view not yet
+placed and is filled with the view from the next `window` of the permutation that shares the fewest blocks with
+the views already in it; then each step's views go to slots by decreasing cost, each to the slot with the lowest
+summed cost so far (longest-processing-time first, over the whole run).
 
 Locality and costs come from the initial model (read sets of its blocks and their Gaussian counts): they are
 known before training, identical on every rank and after a resume. The order depends only on the global batch
@@ -38,9 +44,10 @@ class OdinSchedule:
     seed: int
     view_blocks: Sequence[frozenset]  # per training view: the blocks it reads
     costs: Sequence[float]  # per training view: its predicted cost
-    view_home: Sequence[int] = ()  # per training view: the global slot whose blocks it reads most (or none)
+    # per training view and global slot: how much of what the view reads lies in that slot's share of the blocks
+    # (empty: no regions, views are grouped by overlap and placed by cost alone)
+    view_affinity: Sequence[Sequence[float]] = ()
     window: int = 0  # 0: four global batches
-    slack: float = 4.0  # a view goes to its home slot while that slot's load is within slack x mean cost
     _stream: List[int] = field(default_factory=list, repr=False, compare=False)
     _steps: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
     _loads: List[float] = field(default_factory=list, repr=False, compare=False)
@@ -52,9 +59,9 @@ class OdinSchedule:
             raise ValueError("ranks and micro-batch must be at least 1")
         if len(self.view_blocks) != self.num_views or len(self.costs) != self.num_views:
             raise ValueError("view_blocks and costs need one entry per training view")
-        if self.view_home and len(self.view_home) != self.num_views:
-            raise ValueError("view_home needs one entry per training view")
-        self._tolerance = self.slack * sum(self.costs) / self.num_views
+        if self.view_affinity and (len(self.view_affinity) != self.num_views or
+                                   any(len(a) != self.global_batch for a in self.view_affinity)):
+            raise ValueError("view_affinity needs one entry per training view and global slot")
         self._rng = random.Random(self.seed)
         self._loads = [0.0] * self.global_batch  # per global slot (rank r holds slots r*B .. r*B+B-1)
 
@@ -65,6 +72,9 @@ class OdinSchedule:
     def _add_epoch(self) -> None:
         order = list(range(self.num_views))
         self._rng.shuffle(order)  # nerfstudio's permutation (the same draws as ViewSchedule)
+        if self.view_affinity:
+            self._stream.extend(self._regional_epoch(order))
+            return
         G = self.global_batch
         window = self.window or 4 * G
         first = (G - len(self._stream) % G) % G or G  # the step boundary the epoch starts in
@@ -82,6 +92,37 @@ class OdinSchedule:
             size = G
         self._stream.extend(out)
 
+    def _regional_epoch(self, order: List[int]) -> List[int]:
+        """One epoch laid out on the global stream so that the views of slot k (stream positions p with p mod G = k)
+        are the views of k's region: each view goes to the slot its read set lies in most, as far as the slot's
+        places in the epoch allow; views that lie mostly in one region are placed first, so the ones moved to a
+        neighbour are those that straddle the cut. Within a slot the views keep the order of nerfstudio's
+        permutation."""
+        G, n, offset = self.global_batch, self.num_views, len(self._stream)
+        places = [0] * G
+        for i in range(n):
+            places[(offset + i) % G] += 1
+        rank_in_order = {v: i for i, v in enumerate(order)}
+
+        def strength(v: int) -> float:
+            a = self.view_affinity[v]
+            total = sum(a)
+            return max(a) / total if total > 0 else 0.0
+
+        slot_of: Dict[int, int] = {}
+        for v in sorted(order, key=lambda v: (-strength(v), rank_in_order[v])):
+            a = self.view_affinity[v]
+            k = max((k for k in range(G) if places[k] > 0), key=lambda k: (a[k], -k))
+            slot_of[v] = k
+            places[k] -= 1
+        queues: List[List[int]] = [[] for _ in range(G)]
+        for v in order:
+            queues[slot_of[v]].append(v)
+        out = []
+        for i in range(n):
+            out.append(queues[(offset + i) % G].pop(0))
+        return out
+
     def _step(self, step: int) -> List[List[int]]:
         G, B = self.global_batch, self.micro_batch
         while len(self._steps) <= step:
@@ -89,13 +130,15 @@ class OdinSchedule:
             while len(self._stream) < (t + 1) * G:
                 self._add_epoch()
             batch = self._stream[t * G:(t + 1) * G]
+            if self.view_affinity:  # regions: a view's stream position is its slot
+                self._steps.append([batch[r * B:(r + 1) * B] for r in range(self.num_ranks)])
+                for k, v in enumerate(batch):
+                    self._loads[k] += self.costs[v]
+                continue
             slots: List[int] = [-1] * G
             for v in sorted(batch, key=lambda v: (-self.costs[v], batch.index(v))):
                 free = [k for k in range(G) if slots[k] < 0]
                 k = min(free, key=lambda k: (self._loads[k], k))
-                home = self.view_home[v] if self.view_home else -1
-                if home in free and self._loads[home] <= self._loads[k] + self._tolerance:
-                    k = home
                 slots[k] = v
                 self._loads[k] += self.costs[v]
             per_rank = [slots[r * B:(r + 1) * B] for r in range(self.num_ranks)]
