@@ -1,13 +1,14 @@
 """The nerfstudio Pipeline seam: a VanillaPipeline that never wraps the model in DDP.
 
 DDP cannot follow densification (the parameter set changes size), so Odin keeps the model bare and moves
-primitive state itself around each step. Alone (one rank) this pipeline is nerfstudio's VanillaPipeline.
+primitive state itself around each step: `OdinPipeline.train_step` is the hook the trainer calls, validate before
+the model renders, publish after. Alone (one rank) this pipeline is nerfstudio's VanillaPipeline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Type
+from typing import Dict, Literal, Optional, Tuple, Type
 
 import torch
 from torch.cuda.amp.grad_scaler import GradScaler
@@ -107,3 +108,13 @@ class OdinPipeline(VanillaPipeline):
                                      config.seed, config.check_read_sets, policy=config.policy,
                                      phase_length=config.phase_length, view_order=config.view_order,
                                      block_cut=config.block_cut)
+
+    def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
+        """The hook the trainer calls once per training step, around the model's forward and backward:
+        validate (wait for exactly the blocks this rank's views read, at the version the synchronous reference
+        reads), render (the model on those blocks), publish (gradients to the owners, the owners' update, the
+        changed rows pushed to their next readers). (loss, loss dict, metrics dict) of the rank's last view."""
+        views = self.engine.validate(step, optimizers)
+        loss, loss_dict, metrics_dict, contributions, blocks = self.engine.render(step, views)
+        self.engine.publish(step, contributions, blocks, optimizers)
+        return loss, loss_dict, metrics_dict

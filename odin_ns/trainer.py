@@ -113,7 +113,7 @@ class OdinTrainer(Trainer):
 
     def train_iteration(self, step: int):
         self.optimizers.zero_grad_all()
-        loss, loss_dict, metrics_dict = self.engine.train_step(step, self.optimizers)
+        loss, loss_dict, metrics_dict = self.pipeline.train_step(step, self.optimizers)
         refresh = self.config.pipeline.viewer_refresh_every
         if self.env.distributed and self.config.is_viewer_enabled() and step % refresh == 0:
             snapshot = self.engine.gather_full()  # what rank 0's viewer shows until the next refresh

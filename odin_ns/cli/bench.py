@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -99,10 +100,17 @@ def compare(runs: List[Dict]) -> List[Dict]:
     barrier = next(r for r in runs if r["policy"] == "barrier" and r["schedule"] == "odin")
     ideal = barrier["summary"]["no_wait_bound_s"]
     barrier_wait = barrier["summary"]["train_wall_s"] - ideal
+    barrier_busy = barrier["summary"]["no_wait_bound_s"]
     rows = []
     for r in runs:
         s = r["summary"]
         wall = s["train_wall_s"]
+        # the same work renders at different speeds from run to run on a shared machine: scaled to the barrier
+        # run's compute speed (its busiest rank's render + update against this run's), a run's wall and wait are
+        # what they would have been on the barrier run's machine
+        # (defined for runs of the same work only: the same schedule)
+        same_work = r["schedule"] == barrier["schedule"] and s["no_wait_bound_s"] > 0
+        scale = barrier_busy / s["no_wait_bound_s"] if same_work else float("nan")
         parts = {k: sum(p[k] for p in s["per_rank"]) / s["ranks"] for k in
                  ("render_s", "update_s", "bookkeeping_s", "loop_s")}
         waits = {c: sum(p["wait_s"][c] for p in s["per_rank"]) / s["ranks"] for c in s["wait_s"]}
@@ -113,6 +121,10 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "ideal_speedup": barrier["summary"]["train_wall_s"] / ideal if ideal else float("nan"),
             "wait_s": wall - ideal,
             "wait_hidden": 1 - (wall - ideal) / barrier_wait if barrier_wait > 0 else float("nan"),
+            "busy_s": s["no_wait_bound_s"],
+            "speedup_equal_speed": barrier["summary"]["train_wall_s"] / (wall * scale) if wall else float("nan"),
+            "wait_hidden_equal_speed": (1 - (wall - s["no_wait_bound_s"]) * scale / barrier_wait
+                                        if barrier_wait > 0 else float("nan")),
             "per_rank_mean_s": {**parts, **{f"wait_{c}_s": w for c, w in waits.items()}},
             "bytes_per_step": s["bytes_per_step"], "psnr": r.get("psnr"),
             "round_walls_s": r.get("round_walls_s", [wall]),
@@ -124,21 +136,26 @@ def compare(runs: List[Dict]) -> List[Dict]:
 
 def print_table(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
-    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "render", "update", "bookkeeping", "loop",
+    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "render", "update",
+            "bookkeeping", "loop",
             "validate", "transfer", "barrier", "phase", "MB/step", "PSNR")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
         p = r["per_rank_mean_s"]
         table.add_row(r["label"], f"{r['views_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ideal_speedup']:.2f}x",
-                      f"{r['wait_hidden']:.0%}", *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s",
+                      f"{r['wait_hidden']:.0%}",
+                      "-" if math.isnan(r["speedup_equal_speed"]) else
+                      f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%}", *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s",
                                                                              "loop_s", "wait_validate_s",
                                                                              "wait_transfer_s", "wait_barrier_s",
                                                                              "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}", "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
     Console(width=200).print(table)
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
-          "busiest rank's render + update in the barrier run on Odin's schedule.")
+          "busiest rank's render + update in the barrier run on Odin's schedule. 'At equal speed': speed-up and "
+          "wait hidden with each run's wall scaled by how much faster or slower the same work computed in it "
+          "than in that barrier run (a shared machine's speed drifts between runs).")
 
 
 def train_main(argv: List[str]) -> int:

@@ -45,19 +45,32 @@ def timeline(runs: List[Dict], path: Path, first_step: int, num_steps: int) -> P
     return path
 
 
+def _or_zero(value) -> float:
+    """A figure that is not defined for a run (None or nan) draws no bar."""
+    return 0.0 if value is None or value != value else float(value)
+
+
 def bars(rows: List[Dict], ideal_speedup: float, path: Path, title: str) -> Path:
     """Speed-up over barrier (same schedule) and wait hidden per run, the ideal speed-up as a line."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     labels = [r["label"] for r in rows]
-    a.bar(labels, [r["speedup"] for r in rows], color="#4c72b0")
+    x = list(range(len(rows)))
+    a.bar([i - 0.2 for i in x], [r["speedup"] for r in rows], width=0.4, color="#4c72b0", label="measured")
+    a.bar([i + 0.2 for i in x], [_or_zero(r.get("speedup_equal_speed")) for r in rows], width=0.4,
+          color="#8172b2", label="at equal compute speed")
     a.axhline(ideal_speedup, color="#c44e52", linestyle="--", label=f"ideal {ideal_speedup:.2f}x")
     a.axhline(1.0, color="black", linewidth=0.8)
     a.set_ylabel("speed-up over odin-barrier")
     a.legend(fontsize=8)
-    b.bar(labels, [100 * r["wait_hidden"] for r in rows], color="#55a868")
+    b.bar([i - 0.2 for i in x], [100 * r["wait_hidden"] for r in rows], width=0.4, color="#55a868",
+          label="measured")
+    b.bar([i + 0.2 for i in x], [100 * _or_zero(r.get("wait_hidden_equal_speed")) for r in rows],
+          width=0.4, color="#937860", label="at equal compute speed")
+    b.legend(fontsize=8)
     b.axhline(0, color="black", linewidth=0.8)
     b.set_ylabel("barrier wait hidden (%)")
     for ax in (a, b):
+        ax.set_xticks(x, labels)
         ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -271,20 +271,26 @@ class OdinEngine:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * self.schedule.global_batch + slot)
         return torch.rand(3, generator=g).to(self.device)
 
-    def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
-        """Run step `step` on this rank: validate, render, gradients, owner update, publish (DESIGN.md layers)."""
-        me, model = self.env.rank, self.model
+    def validate(self, step: int, optimizers) -> List[int]:
+        """Before the step: plan the phase if one starts here, then wait for (only) the publications the rank's
+        views of `step` read, at the version the synchronous reference reads. Returns those views."""
         record = self.log.begin(step)
         self.schedule_step = step
         if self.plan is None or not self.plan.contains(step):
             record.phase_start = True
             with self.log.waiting("phase"):
                 self._begin_phase(step, optimizers)
-        plan, runner = self.plan, self.runner
-        views = plan.rank_views(step, me)
+        views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
         if self.env.distributed:
-            runner.validate(step)
+            self.runner.validate(step)
+        return views
+
+    def render(self, step: int, views: Sequence[int]):
+        """Render each view from its read set (owned blocks and replicas) and back-propagate into per-view leaves;
+        (loss, loss dict, metrics dict, per-view contributions, per-view block ids)."""
+        me, model, runner = self.env.rank, self.model, self.runner
+        record = self.log.current
         owned_rows = self._owned_rows()
         view_ids = [runner.view_blocks(step, j) for j in range(len(views))]
         record.gaussians_replicated = runner.num_replicated()
@@ -306,6 +312,12 @@ class OdinEngine:
                 record.loss += float(loss.detach()) / len(views)
             mine.append(self._contribution(leaves, model.info))
             model.render_params = None
+        return loss, loss_dict, metrics_dict, mine, view_ids
+
+    def publish(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> None:
+        """After rendering: gradients to the blocks' owners, the owners' update in reference order, the changed
+        rows pushed to the ranks that read them next; odin-barrier's barrier; a phase's end."""
+        plan, runner, record = self.plan, self.runner, self.log.current
         if self.env.distributed:
             runner.send_gradients(step, mine, view_ids)
         if self.check_read_sets:
@@ -318,12 +330,11 @@ class OdinEngine:
         runner.forget_step(step)
         if step + 1 == plan.stop:
             self._end_phase(step, optimizers)
-        record.gaussians_owned = int(model.gauss_params["means"].shape[0])
+        record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runner.misses_handled = runner.misses_handled, 0
         record.plan_violations, runner.plan_violations = runner.plan_violations, 0
         self.log.end_inside()
-        return loss, loss_dict, metrics_dict
 
     def _visible(self, view: int, rows: Dict[str, torch.Tensor]) -> int:
         """How many of these Gaussians gsplat's projection keeps (radius > 0) in training view `view`."""

@@ -25,7 +25,7 @@ than train on a result that differs from the synchronous reference.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,23 @@ class OdinRuntimeError(RuntimeError):
 def _with_index(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Prefix each row with its index inside its block (exact in float32 below 2^24 rows)."""
     return torch.cat([index.to(rows.dtype)[:, None], rows], dim=1)
+
+
+def _kept_rows(pieces: List[torch.Tensor], keep: Optional[torch.Tensor] = None) -> Tuple[List[int], torch.Tensor]:
+    """Of consecutive pieces (one per block) and a mask over their concatenated rows (default: the rows that are
+    not all zero): how many rows each piece keeps, and the kept rows prefixed by their index inside their piece,
+    in piece order (one pass, not one per block)."""
+    if not pieces:
+        return [], torch.zeros((0, 1))
+    sizes = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64)
+    rows = torch.cat(pieces)
+    if keep is None:
+        keep = (rows != 0).any(dim=1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    local = torch.arange(rows.shape[0], device=rows.device) - torch.repeat_interleave(starts, sizes).to(rows.device)
+    piece_of = torch.repeat_interleave(torch.arange(len(pieces)), sizes)
+    counts = torch.zeros(len(pieces), dtype=torch.int64).index_add_(0, piece_of, keep.cpu().to(torch.int64))
+    return counts.tolist(), _with_index(rows[keep], local[keep])
 
 
 class PhaseRunner:
@@ -160,15 +177,11 @@ class PhaseRunner:
         extras = self.extras_in.get(step, {})
         for o in plan.deps(step, me):
             mine_extra = [(j, b) for j, bs in extras.items() for b in bs if plan.owner[b] == o]
-            counts, parts = [], []
-            for j, b in self._grad_entries(step, me, o, mine_extra):
-                s, e = slices[j][b]
-                piece = contributions[j][s:e]
-                keep = torch.nonzero((piece != 0).any(dim=1)).flatten()
-                counts.append(int(keep.numel()))
-                parts.append(_with_index(piece[keep], keep))
+            pieces = [contributions[j][slices[j][b][0]:slices[j][b][1]]
+                      for j, b in self._grad_entries(step, me, o, mine_extra)]
+            counts, kept = _kept_rows(pieces)
             self.mail.send_ints(torch.tensor(counts, dtype=torch.int64), o, TAG_GRAD)
-            self.mail.send_rows(torch.cat(parts) if parts else torch.zeros((0, self.grad_width + 1)), o, TAG_GRAD)
+            self.mail.send_rows(kept if pieces else torch.zeros((0, self.grad_width + 1)), o, TAG_GRAD)
 
     def collect(self, step: int, contributions: Sequence[torch.Tensor],
                 view_ids: Sequence[List[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -230,13 +243,12 @@ class PhaseRunner:
         i = plan.index(step)
         motion, growth = plan.motion[i], plan.growth[i]
         env_lo, env_hi, env_scale = self.envelope
-        for k, b in enumerate(sorted(self.ranges)):
-            if self.table.count[b] == 0:
-                continue
-            inside = (bool((lo[k] >= env_lo[b] - motion).all()) and bool((hi[k] <= env_hi[b] + motion).all())
-                      and float(max_scale[k]) <= float(env_scale[b]) * math.exp(growth))
-            if inside:
-                continue
+        owned = sorted(self.ranges)
+        at = torch.tensor(owned, dtype=torch.int64)
+        inside = ((lo >= env_lo[at] - motion).all(dim=1) & (hi <= env_hi[at] + motion).all(dim=1)
+                  & (max_scale.double() <= env_scale[at].double() * math.exp(growth))) | (self.table.count[at] == 0)
+        for k in torch.nonzero(~inside).flatten().tolist():
+            b = owned[k]
             self.plan_violations += 1
             s, e = self.ranges[b]
             block_rows = {n: t[s:e] for n, t in params.items()}
@@ -262,12 +274,14 @@ class PhaseRunner:
             return
         plan, me = self.plan, self.env.rank
         for q in plan.readers(step, me):
-            counts, parts = [], []
-            for b in plan.publish_blocks(step, me, q):
+            blocks = plan.publish_blocks(step, me, q)
+            pieces = [owned_rows[self.ranges[b][0]:self.ranges[b][1]] for b in blocks]
+            dirty = torch.cat([self.dirty[q, self.ranges[b][0]:self.ranges[b][1]] for b in blocks]) if blocks \
+                else torch.zeros(0, dtype=torch.bool)
+            counts, kept = _kept_rows(pieces, dirty)
+            parts = [kept] if blocks else []
+            for b in blocks:
                 s, e = self.ranges[b]
-                keep = torch.nonzero(self.dirty[q, s:e]).flatten()
-                counts.append(int(keep.numel()))
-                parts.append(_with_index(owned_rows[s:e][keep], keep))
                 self.dirty[q, s:e] = False
             extras = self.extras_out.get(step, {}).get(q, [])
             for _, b in extras:
