@@ -32,7 +32,8 @@ from odin_ns.runtime.block_table import BlockTable, shard_bounds
 from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.phase_runner import PhaseRunner
 from odin_ns.runtime.dist_env import DistEnv
-from odin_ns.runtime.sharded import GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
+from odin_ns.runtime.sharded import (GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, param_widths,
+                                     unpack_params)
 from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
 from odin_ns.runtime.transport import exchange
 from odin_ns.runtime.waits import WaitLog
@@ -172,7 +173,11 @@ class OdinEngine:
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
-        self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log)
+        groups, col = [], 0
+        for w in param_widths(self.num_rest).values():
+            groups.append((col, col + w))
+            col += w
+        self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log, groups)
         self.runner.reset(self.model.gauss_params["means"].shape[0])
         self.plan = None
 
@@ -422,13 +427,18 @@ class OdinEngine:
                     state["radii"][idx] = torch.where(vis, torch.maximum(state["radii"][idx], piece[:, width + 2]),
                                                       state["radii"][idx])
             grads = unpack_params(acc, self.num_rest)
-            for n in PARAM_NAMES:
+            rows = torch.nonzero(touched).flatten()
+            changed = torch.zeros((n_owned, len(PARAM_NAMES)), dtype=torch.bool, device=self.device)
+            for g, n in enumerate(PARAM_NAMES):
                 param = model.gauss_params[n]
                 param.grad = grads[n].reshape(param.shape).contiguous()
                 opt = optimizers.optimizers[n]
                 opt.visibility = touched
+                before = param.detach()[rows].clone() if self.env.distributed else None
                 opt.step()
-        self.runner.updated(touched)
+                if before is not None:  # which parameters of which rows changed: only those are published
+                    changed[rows, g] = (param.detach()[rows] != before).flatten(1).any(dim=1)
+        self.runner.updated(changed)
         if self.plan.contains(step + 1):
             params = {n: model.gauss_params[n].detach() for n in PARAM_NAMES}
             self.fault.apply(self, step, params)

@@ -3,16 +3,19 @@
 Per step t of the phase, on rank r (the action lists of `schedule.plan`):
 - validate: from each owner r depends on at t, receive the publication of step t-1: for every block of that
   owner that r's views read at t, the rows that changed since r last received the block (row index + values),
-  plus any block added to a read set after a detected miss. r waits for nothing else: not for owners whose
-  blocks it does not read, not for a global barrier;
+  and of those only the parameters (means, scales, ...) some of them changed in, as a column mask in the
+  header; plus any block added to a read set after a detected miss (whole, on its own tag). r waits for nothing
+  else: not for owners whose blocks it does not read, not for a global barrier;
 - render: the engine renders each view from `render_rows` (owned blocks and replicas, ascending block order);
 - gradients: each view's rows of every block go to the block's owner, only the rows that are not all zero (a
   Gaussian the view did not touch contributes exact zeros, and adding zeros changes no float: the owner's sums
-  equal those over every row);
+  equal those over every row), and only the columns that are not zero in every row (a column mask in the header;
+  the owner puts zeros back);
 - update: the owner receives the gradients of every reader of step t, sums them in the reference order (rank,
   then view), and the engine applies selective Adam to the touched rows;
-- publish: rows the update changed are marked dirty for every other rank; each rank that reads a block of this
-  owner at t+1 is sent that block's dirty rows as soon as the update is done (pushed, never requested).
+- publish: the parameters of the rows the update changed are marked dirty for every other rank; each rank that
+  reads a block of this owner at t+1 is sent that block's dirty rows (their dirty parameters) as soon as the
+  update is done (pushed, never requested).
 Misses (DESIGN.md semantics 6): read sets come from the phase-start bounds inflated by a rigorous bound on the
 optimizer's motion, so a miss cannot come from training. The owner still checks after every update that its
 blocks lie inside the envelope the plan assumed; a block outside it is projected into every view of the next
@@ -51,29 +54,38 @@ def _kept_rows(pieces: List[torch.Tensor], keep: Optional[torch.Tensor] = None) 
     in piece order (one pass, not one per block)."""
     if not pieces:
         return [], torch.zeros((0, 1))
-    sizes = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64)
     rows = torch.cat(pieces)
     if keep is None:
         keep = (rows != 0).any(dim=1)
-    starts = torch.cumsum(sizes, 0) - sizes
-    local = torch.arange(rows.shape[0], device=rows.device) - torch.repeat_interleave(starts, sizes).to(rows.device)
-    piece_of = torch.repeat_interleave(torch.arange(len(pieces)), sizes)
-    counts = torch.zeros(len(pieces), dtype=torch.int64).index_add_(0, piece_of, keep.cpu().to(torch.int64))
-    return counts.tolist(), _with_index(rows[keep], local[keep])
+    at = torch.nonzero(keep).flatten()
+    ends = torch.cumsum(torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64), 0).to(rows.device)
+    piece_of = torch.searchsorted(ends, at, right=True)
+    local = at - (ends - torch.as_tensor([p.shape[0] for p in pieces], device=rows.device))[piece_of]
+    counts = torch.bincount(piece_of, minlength=len(pieces))
+    return counts.tolist(), _with_index(rows[at], local)
+
+
+def _columns(mask: torch.Tensor) -> torch.Tensor:
+    """Column indices of a bool column mask, as int64 on the mask's device."""
+    return torch.nonzero(mask).flatten()
 
 
 class PhaseRunner:
     """Replicas, dirty rows and the messages of one rank across the steps of its phases."""
 
-    def __init__(self, env: DistEnv, width: int, grad_width: int, device: torch.device, log: WaitLog):
+    def __init__(self, env: DistEnv, width: int, grad_width: int, device: torch.device, log: WaitLog,
+                 groups: Sequence[Tuple[int, int]] = ()):
         self.env = env
         self.width = width  # packed parameter columns
+        # column ranges of the parameters (means, scales, ...): the unit in which changed values are tracked
+        self.groups = list(groups) or [(0, width)]
         self.grad_width = grad_width  # gradient columns + densification statistics
         self.device = device
         self.log = log
         self.mail = Mailbox(device, log) if env.distributed else None
         self.replicas: Dict[int, torch.Tensor] = {}  # remote block -> rows [count, width]
-        self.dirty: torch.Tensor = torch.zeros((env.world_size, 0), dtype=torch.bool)
+        # dirty[q, row, group]: values of the row's parameter `group` that rank q has not been sent since they changed
+        self.dirty: torch.Tensor = torch.zeros((env.world_size, 0, len(self.groups)), dtype=torch.bool)
         self.plan: PhasePlan | None = None
         self.table: BlockTable | None = None
         self.envelope: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -88,7 +100,8 @@ class PhaseRunner:
     def reset(self, n_owned: int) -> None:
         """New blocks (or values every replica must refetch): forget replicas, every owned row dirty for all."""
         self.replicas.clear()
-        self.dirty = torch.ones((self.env.world_size, n_owned), dtype=torch.bool, device=self.device)
+        self.dirty = torch.ones((self.env.world_size, n_owned, len(self.groups)), dtype=torch.bool,
+                                device=self.device)
 
     def mark_all_dirty(self) -> None:
         self.dirty[:] = True
@@ -116,28 +129,33 @@ class PhaseRunner:
         plan, me, table = self.plan, self.env.rank, self.table
         for o in plan.deps(step, me):
             blocks = plan.publish_blocks(step, o, me)
-            header = self.mail.recv_ints(len(blocks) + 1, o, TAG_PUBLISH, "validate")
-            counts, n_extra = header[:-1], int(header[-1])
-            extras = self.mail.recv_ints(2 * n_extra, o, TAG_EXTRA, "validate").view(-1, 2) if n_extra else None
-            extra_sizes = [int(table.count[int(b)]) for b in extras[:, 1]] if n_extra else []
-            rows = self.mail.recv_rows(int(counts.sum()) + sum(extra_sizes), self.width + 1,
-                                       torch.float32, o, TAG_PUBLISH, "validate")
+            header = self.mail.recv_ints(len(blocks) + 1 + self.width, o, TAG_PUBLISH, "validate")
+            counts, n_extra = header[:len(blocks)], int(header[len(blocks)])
+            cols = _columns(header[len(blocks) + 1:] > 0).to(self.device)
+            rows = self.mail.recv_rows(int(counts.sum()), 1 + cols.numel(), torch.float32, o, TAG_PUBLISH,
+                                       "validate")
             start = 0
             for b, n in zip(blocks, counts.tolist()):
                 piece = rows[start:start + n]
                 start += n
                 if b not in self.replicas:
-                    if n != int(table.count[b]):
+                    if n != int(table.count[b]) or cols.numel() != self.width:
                         raise OdinRuntimeError(f"block {b}: first publication holds {n} of {int(table.count[b])} "
-                                               "rows")
+                                               f"rows, {cols.numel()} of {self.width} columns")
                     self.replicas[b] = torch.empty((n, self.width), dtype=rows.dtype, device=self.device)
-                self.replicas[b][piece[:, 0].long()] = piece[:, 1:]
-            for k in range(n_extra):
-                j, b = int(extras[k, 0]), int(extras[k, 1])
-                n = extra_sizes[k]
-                self.extra_rows[(step, b)] = rows[start:start + n, 1:]
-                start += n
-                self.extras_in.setdefault(step, {}).setdefault(j, []).append(b)
+                if n:
+                    self.replicas[b][piece[:, 0].long()[:, None], cols[None, :]] = piece[:, 1:]
+            if n_extra:  # whole blocks added to a read set after a detected miss: every row, every column
+                extras = self.mail.recv_ints(2 * n_extra, o, TAG_EXTRA, "validate").view(-1, 2)
+                extra_sizes = [int(table.count[int(b)]) for b in extras[:, 1]]
+                extra = self.mail.recv_rows(sum(extra_sizes), self.width, torch.float32, o, TAG_EXTRA, "validate")
+                start = 0
+                for k in range(n_extra):
+                    j, b = int(extras[k, 0]), int(extras[k, 1])
+                    n = extra_sizes[k]
+                    self.extra_rows[(step, b)] = extra[start:start + n]
+                    start += n
+                    self.extras_in.setdefault(step, {}).setdefault(j, []).append(b)
 
     def view_blocks(self, step: int, slot: int) -> List[int]:
         """Ascending block ids view `slot` of this rank renders at `step`: its read set and any extra."""
@@ -180,8 +198,14 @@ class PhaseRunner:
             pieces = [contributions[j][slices[j][b][0]:slices[j][b][1]]
                       for j, b in self._grad_entries(step, me, o, mine_extra)]
             counts, kept = _kept_rows(pieces)
-            self.mail.send_ints(torch.tensor(counts, dtype=torch.int64), o, TAG_GRAD)
-            self.mail.send_rows(kept if pieces else torch.zeros((0, self.grad_width + 1)), o, TAG_GRAD)
+            if not pieces:
+                kept = torch.zeros((0, self.grad_width + 1), device=self.device)
+            # columns that are zero in every row (gradients of inactive SH coefficients, ...) do not travel
+            used = (kept[:, 1:] != 0).any(dim=0)
+            self.mail.send_ints(torch.cat([torch.tensor(counts, dtype=torch.int64), used.cpu().to(torch.int64)]),
+                                o, TAG_GRAD)
+            self.mail.send_rows(kept[:, torch.cat([torch.ones(1, dtype=torch.bool, device=used.device), used])],
+                                o, TAG_GRAD)
 
     def collect(self, step: int, contributions: Sequence[torch.Tensor],
                 view_ids: Sequence[List[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -206,9 +230,14 @@ class PhaseRunner:
             if q not in readers:
                 continue
             entries = self._grad_entries(step, q, me, self.extras_out.get(step, {}).get(q, []))
-            counts = self.mail.recv_ints(len(entries), q, TAG_GRAD, "transfer")
-            rows = self.mail.recv_rows(int(counts.sum()), self.grad_width + 1, torch.float32, q, TAG_GRAD,
+            header = self.mail.recv_ints(len(entries) + self.grad_width, q, TAG_GRAD, "transfer")
+            counts, cols = header[:len(entries)], _columns(header[len(entries):] > 0).to(self.device)
+            sent = self.mail.recv_rows(int(counts.sum()), 1 + cols.numel(), torch.float32, q, TAG_GRAD,
                                        "transfer")
+            # the columns that did not travel are zeros (adding them changes no sum)
+            rows = torch.zeros((sent.shape[0], self.grad_width + 1), dtype=sent.dtype, device=self.device)
+            rows[:, 0] = sent[:, 0]
+            rows[:, 1 + cols] = sent[:, 1:]
             # entries are in (view, block) order: the rows of one view are contiguous in the message
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]).tolist()
             first = torch.tensor([self.ranges[b][0] for _, b in entries], dtype=torch.int64)
@@ -226,10 +255,10 @@ class PhaseRunner:
 
     # ---- after the owner's update ------------------------------------------------------------------------
 
-    def updated(self, touched: torch.Tensor) -> None:
-        """Rows the update changed are dirty for every other rank."""
+    def updated(self, changed: torch.Tensor) -> None:
+        """Values the update changed ([rows] or [rows, groups] bool) are dirty for every other rank."""
         if self.env.distributed:
-            self.dirty |= touched[None, :]
+            self.dirty |= (changed[:, None] if changed.dim() == 1 else changed)[None]
             self.dirty[self.env.rank] = False
 
     def check_envelope(self, step: int, params: Dict[str, torch.Tensor],
@@ -277,21 +306,27 @@ class PhaseRunner:
             blocks = plan.publish_blocks(step, me, q)
             pieces = [owned_rows[self.ranges[b][0]:self.ranges[b][1]] for b in blocks]
             dirty = torch.cat([self.dirty[q, self.ranges[b][0]:self.ranges[b][1]] for b in blocks]) if blocks \
-                else torch.zeros(0, dtype=torch.bool)
-            counts, kept = _kept_rows(pieces, dirty)
-            parts = [kept] if blocks else []
+                else torch.zeros((0, len(self.groups)), dtype=torch.bool, device=self.device)
+            counts, kept = _kept_rows(pieces, dirty.any(dim=1))
+            if not blocks:
+                kept = torch.zeros((0, self.width + 1), device=self.device)
+            # the columns of the parameters some sent row changed in (the others equal the reader's copy)
+            used = torch.zeros(self.width, dtype=torch.bool, device=self.device)
+            for g, (c0, c1) in zip(dirty.any(dim=0).tolist(), self.groups):
+                used[c0:c1] = g
             for b in blocks:
                 s, e = self.ranges[b]
                 self.dirty[q, s:e] = False
             extras = self.extras_out.get(step, {}).get(q, [])
-            for _, b in extras:
-                s, e = self.ranges[b]
-                parts.append(_with_index(owned_rows[s:e], torch.arange(e - s, device=self.device)))
-            self.mail.send_ints(torch.tensor(counts + [len(extras)], dtype=torch.int64), q, TAG_PUBLISH)
+            self.mail.send_ints(torch.cat([torch.tensor(counts + [len(extras)], dtype=torch.int64),
+                                           used.cpu().to(torch.int64)]), q, TAG_PUBLISH)
+            self.mail.send_rows(kept[:, torch.cat([torch.ones(1, dtype=torch.bool, device=self.device), used])],
+                                q, TAG_PUBLISH)
             if extras:
                 self.mail.send_ints(torch.tensor([x for pair in extras for x in pair], dtype=torch.int64), q,
                                     TAG_EXTRA)
-            self.mail.send_rows(torch.cat(parts) if parts else torch.zeros((0, self.width + 1)), q, TAG_PUBLISH)
+                self.mail.send_rows(torch.cat([owned_rows[self.ranges[b][0]:self.ranges[b][1]] for _, b in extras]),
+                                    q, TAG_EXTRA)
 
     def forget_step(self, step: int) -> None:
         self.extras_in.pop(step, None)
