@@ -17,6 +17,7 @@ from conftest import TINY_CITY
 from odin_ns.cli.schedule import main as schedule_main
 from odin_ns.schedule.costs import costs_from_stats
 from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.simulate import simulate
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,28 @@ def test_costs_from_a_stats_file_and_bad_costs(tmp_path):
         with pytest.raises(SystemExit) as info:
             costs_from_stats(bad, num_views=5)
         assert str(info.value).startswith("odin: error: --costs") and "\n" not in str(info.value)
+
+
+def test_replay_keeps_the_measured_steps_where_the_views_match(tmp_path):
+    """Two ranks render views 0 and 1 twice; each was slow once, on a different step. Replayed with the measured
+    steps, the barrier waits for the slow rank at both steps (2.0 s); another schedule (the views swapped between
+    ranks) is not what the run measured, so it gets the per-view means (0.55 s a view, 1.1 s)."""
+    times = {(0, 0): 1.0, (0, 1): 0.1, (1, 0): 0.1, (1, 1): 1.0}  # (step, rank) -> render seconds
+    steps = [{"step": t, "rank": r, "views": [r], "compute_s": c, "update_s": 0.0, "bookkeeping_s": 0.0,
+              "loop_s": 0.0} for (t, r), c in times.items()]
+    path = tmp_path / "odin_stats.json"
+    path.write_text(json.dumps({"summary": {"phases": 1, "ranks": 2, "wait_s": {"phase": 0.0}}, "steps": steps}))
+    costs = costs_from_stats(path, num_views=2)
+    costs.latency = 0.0
+
+    def plan(views):
+        return PhasePlan(start=0, stop=2, num_ranks=2, owner=[0, 1], views=views,
+                         reads=[[[[0, 1]], [[0, 1]]]] * 2, barrier=True)
+
+    measured = simulate([plan([[[0], [1]], [[0], [1]]])], costs)
+    assert measured.wall_s == pytest.approx(2.0) and measured.busy_s == pytest.approx([1.1, 1.1])
+    other = simulate([plan([[[1], [0]], [[1], [0]]])], costs)
+    assert other.wall_s == pytest.approx(1.1)
 
 
 def test_unknown_bench_scene_is_one_line():

@@ -3,15 +3,17 @@
 The model: rendering a view costs a fixed part plus a part per Gaussian it reads plus a part per pixel (the
 CPU renderer's forward + backward, fitted on the built-in city and the fox photos on a 2-core machine; a GPU
 changes the constants, not the ordering the schedule cares about). `--costs odin_stats.json` replaces the model
-by the mean measured render time of every view in that run, and the measured update, bookkeeping and phase
-boundary costs.
+by what that run measured: at every step where the replayed rank renders the views the run's rank rendered, that
+step's own render, update and bookkeeping times (the run's step-to-step jitter, which is what ranks wait for);
+elsewhere the mean measured render time of each view and the mean update, bookkeeping and phase boundary
+costs.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, Sequence, Tuple
 
 from odin_ns.errors import OdinInputError
 from odin_ns.schedule.simulate import Costs
@@ -46,7 +48,12 @@ def costs_from_stats(path: Path, num_views: int) -> Costs:
         raise OdinInputError(f"--costs {path}: the stats file has no steps")
     totals: Dict[int, list] = {}
     update, overhead = [], []
+    per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
     for rec in steps:
+        if "step" in rec and "rank" in rec:
+            per_step[(int(rec["step"]), int(rec["rank"]))] = (
+                tuple(int(v) for v in rec.get("views") or ()), rec["compute_s"], rec["update_s"],
+                rec.get("bookkeeping_s", 0.0) + rec.get("loop_s", 0.0))
         views = rec.get("views") or []
         for v in views:
             t = totals.setdefault(int(v), [0.0, 0])
@@ -65,4 +72,5 @@ def costs_from_stats(path: Path, num_views: int) -> Costs:
     ranks = max(int(summary.get("ranks", 1)), 1)
     phase = summary.get("wait_s", {}).get("phase", 0.0) / ranks / phases
     return Costs(render=lambda v: per_view[v], update=sum(update) / len(update), latency=MESSAGE_LATENCY_S,
-                 phase=phase, overhead=sum(overhead) / len(overhead))
+                 phase=phase, overhead=sum(overhead) / len(overhead),
+                 measured=lambda step, rank: per_step.get((step, rank)))

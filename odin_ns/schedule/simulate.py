@@ -12,7 +12,7 @@ checks its own action kinds, not these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from odin_ns.schedule.plan import Action, PhasePlan
 
@@ -31,6 +31,18 @@ class Costs:
     latency: float = 0.0003
     phase: float = 0.005
     overhead: float = 0.0
+    # what a run measured at (step, rank): (the views it rendered, their render time, its update, its bookkeeping
+    # + loop). Where the replayed rank renders the same views at that step, the replay takes these, and so keeps
+    # the run's step-to-step jitter (what ranks wait for); elsewhere the means above
+    measured: Optional[Callable[[int, int], Optional[Tuple[Tuple[int, ...], float, float, float]]]] = None
+
+    def at(self, step: int, rank: int, views: Tuple[int, ...]) -> Tuple[Optional[float], float, float]:
+        """(render of one of the rank's views, or None for the per-view cost; update; overhead) at `step`."""
+        got = self.measured(step, rank) if self.measured else None
+        if got is None or tuple(got[0]) != tuple(views):
+            return None, self.update, self.overhead
+        _, render, update, overhead = got
+        return render / max(len(views), 1), update, overhead
 
 
 @dataclass
@@ -59,14 +71,21 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             if a.kind == "G":
                 expected_grads.setdefault((a.peer, a.step), []).append(r)
     barrier_arrivals: Dict[int, Dict[int, float]] = {}
+    views_at: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+    for r in ranks:
+        for a in actions[r]:
+            if a.kind == "R":
+                views_at[(r, a.step)] = views_at.get((r, a.step), ()) + (a.view,)
     while True:
         progressed = False
         for r in ranks:
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
                 if a.kind == "R":
-                    clock[r] += costs.render(a.view)
-                    busy[r] += costs.render(a.view)
+                    per_view = costs.at(a.step, r, views_at[(r, a.step)])[0]
+                    cost = costs.render(a.view) if per_view is None else per_view
+                    clock[r] += cost
+                    busy[r] += cost
                 elif a.kind in ("G", "P"):
                     sent[(a.kind, r, a.peer, a.step)] = clock[r]
                 elif a.kind == "W":
@@ -82,8 +101,9 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     if any(("G", q, r, a.step) not in sent for q in readers):
                         break
                     ready = max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
-                    clock[r] = max(clock[r], ready) + costs.update + costs.overhead
-                    busy[r] += costs.update
+                    _, update, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
+                    clock[r] = max(clock[r], ready) + update + overhead
+                    busy[r] += update
                 elif a.kind == "B":
                     arrivals = barrier_arrivals.setdefault(a.step, {})
                     arrivals.setdefault(r, clock[r])
