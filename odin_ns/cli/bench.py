@@ -9,8 +9,8 @@ nerfstudio's random order, `odin-barrier` on Odin's schedule and `odin` on Odin'
 (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, the time breakdown per
 rank, bytes per step, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
 hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
-order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra arguments after `--` go to every run before the scene's data
-parser (e.g. `-- --pipeline.block-size 256`).
+order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra
+arguments after `--` go to every run before the scene's data parser (e.g. `-- --pipeline.block-size 256`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ def compare(runs: List[Dict]) -> List[Dict]:
     barrier = next(r for r in runs if r["policy"] == "barrier" and r["schedule"] == "odin")
     ideal = barrier["summary"]["no_wait_bound_s"]
     barrier_wait = barrier["summary"]["train_wall_s"] - ideal
-    barrier_busy = barrier["summary"]["no_wait_bound_s"]
     rows = []
     for r in runs:
         s = r["summary"]
@@ -110,7 +109,7 @@ def compare(runs: List[Dict]) -> List[Dict]:
         # what they would have been on the barrier run's machine
         # (defined for runs of the same work only: the same schedule)
         same_work = r["schedule"] == barrier["schedule"] and s["no_wait_bound_s"] > 0
-        scale = barrier_busy / s["no_wait_bound_s"] if same_work else float("nan")
+        scale = ideal / s["no_wait_bound_s"] if same_work else float("nan")
         parts = {k: sum(p[k] for p in s["per_rank"]) / s["ranks"] for k in
                  ("render_s", "update_s", "bookkeeping_s", "loop_s")}
         waits = {c: sum(p["wait_s"][c] for p in s["per_rank"]) / s["ranks"] for c in s["wait_s"]}
@@ -144,12 +143,10 @@ def print_table(rows: List[Dict], title: str) -> None:
     for r in rows:
         p = r["per_rank_mean_s"]
         table.add_row(r["label"], f"{r['views_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ideal_speedup']:.2f}x",
-                      f"{r['wait_hidden']:.0%}",
-                      "-" if math.isnan(r["speedup_equal_speed"]) else
-                      f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%}", *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s",
-                                                                             "loop_s", "wait_validate_s",
-                                                                             "wait_transfer_s", "wait_barrier_s",
-                                                                             "wait_phase_s")),
+                      f"{r['wait_hidden']:.0%}", "-" if math.isnan(r["speedup_equal_speed"]) else
+                      f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%}",
+                      *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s", "loop_s", "wait_validate_s",
+                                                "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}", "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
     Console(width=200).print(table)
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "

@@ -32,7 +32,7 @@ from odin_ns.runtime.block_table import BlockTable, shard_bounds
 from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.phase_runner import PhaseRunner
 from odin_ns.runtime.dist_env import DistEnv
-from odin_ns.runtime.sharded import (GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, param_widths,
+from odin_ns.runtime.sharded import (GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, param_columns,
                                      unpack_params)
 from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
 from odin_ns.runtime.transport import exchange
@@ -173,11 +173,8 @@ class OdinEngine:
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
-        groups, col = [], 0
-        for w in param_widths(self.num_rest).values():
-            groups.append((col, col + w))
-            col += w
-        self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log, groups)
+        self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log,
+                                  list(param_columns(self.num_rest).values()))
         self.runner.reset(self.model.gauss_params["means"].shape[0])
         self.plan = None
 
@@ -434,7 +431,7 @@ class OdinEngine:
                 param.grad = grads[n].reshape(param.shape).contiguous()
                 opt = optimizers.optimizers[n]
                 opt.visibility = touched
-                before = param.detach()[rows].clone() if self.env.distributed else None
+                before = param.detach()[rows] if self.env.distributed else None  # indexing copies
                 opt.step()
                 if before is not None:  # which parameters of which rows changed: only those are published
                     changed[rows, g] = (param.detach()[rows] != before).flatten(1).any(dim=1)

@@ -48,19 +48,21 @@ def _with_index(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.cat([index.to(rows.dtype)[:, None], rows], dim=1)
 
 
-def _kept_rows(pieces: List[torch.Tensor], keep: Optional[torch.Tensor] = None) -> Tuple[List[int], torch.Tensor]:
-    """Of consecutive pieces (one per block) and a mask over their concatenated rows (default: the rows that are
-    not all zero): how many rows each piece keeps, and the kept rows prefixed by their index inside their piece,
-    in piece order (one pass, not one per block)."""
+def _kept_rows(pieces: List[torch.Tensor], width: int, device: torch.device,
+               keep: Optional[torch.Tensor] = None) -> Tuple[List[int], torch.Tensor]:
+    """Of consecutive pieces (one per block, `width` columns) and a mask over their concatenated rows (default:
+    the rows that are not all zero): how many rows each piece keeps, and the kept rows prefixed by their index
+    inside their piece, in piece order (one pass, not one per block)."""
     if not pieces:
-        return [], torch.zeros((0, 1))
+        return [], torch.zeros((0, width + 1), device=device)
     rows = torch.cat(pieces)
     if keep is None:
         keep = (rows != 0).any(dim=1)
     at = torch.nonzero(keep).flatten()
-    ends = torch.cumsum(torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64), 0).to(rows.device)
+    sizes = torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64, device=rows.device)
+    ends = torch.cumsum(sizes, 0)
     piece_of = torch.searchsorted(ends, at, right=True)
-    local = at - (ends - torch.as_tensor([p.shape[0] for p in pieces], device=rows.device))[piece_of]
+    local = at - (ends - sizes)[piece_of]
     counts = torch.bincount(piece_of, minlength=len(pieces))
     return counts.tolist(), _with_index(rows[at], local)
 
@@ -68,6 +70,11 @@ def _kept_rows(pieces: List[torch.Tensor], keep: Optional[torch.Tensor] = None) 
 def _columns(mask: torch.Tensor) -> torch.Tensor:
     """Column indices of a bool column mask, as int64 on the mask's device."""
     return torch.nonzero(mask).flatten()
+
+
+def _and_index(used: torch.Tensor) -> torch.Tensor:
+    """The column mask of rows prefixed by their index (`_with_index`): the index column always travels."""
+    return torch.cat([torch.ones(1, dtype=torch.bool, device=used.device), used])
 
 
 class PhaseRunner:
@@ -197,15 +204,12 @@ class PhaseRunner:
             mine_extra = [(j, b) for j, bs in extras.items() for b in bs if plan.owner[b] == o]
             pieces = [contributions[j][slices[j][b][0]:slices[j][b][1]]
                       for j, b in self._grad_entries(step, me, o, mine_extra)]
-            counts, kept = _kept_rows(pieces)
-            if not pieces:
-                kept = torch.zeros((0, self.grad_width + 1), device=self.device)
+            counts, kept = _kept_rows(pieces, self.grad_width, self.device)
             # columns that are zero in every row (gradients of inactive SH coefficients, ...) do not travel
             used = (kept[:, 1:] != 0).any(dim=0)
             self.mail.send_ints(torch.cat([torch.tensor(counts, dtype=torch.int64), used.cpu().to(torch.int64)]),
                                 o, TAG_GRAD)
-            self.mail.send_rows(kept[:, torch.cat([torch.ones(1, dtype=torch.bool, device=used.device), used])],
-                                o, TAG_GRAD)
+            self.mail.send_rows(kept[:, _and_index(used)], o, TAG_GRAD)
 
     def collect(self, step: int, contributions: Sequence[torch.Tensor],
                 view_ids: Sequence[List[int]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -256,9 +260,9 @@ class PhaseRunner:
     # ---- after the owner's update ------------------------------------------------------------------------
 
     def updated(self, changed: torch.Tensor) -> None:
-        """Values the update changed ([rows] or [rows, groups] bool) are dirty for every other rank."""
+        """Values the update changed ([rows, groups] bool) are dirty for every other rank."""
         if self.env.distributed:
-            self.dirty |= (changed[:, None] if changed.dim() == 1 else changed)[None]
+            self.dirty |= changed[None]
             self.dirty[self.env.rank] = False
 
     def check_envelope(self, step: int, params: Dict[str, torch.Tensor],
@@ -307,9 +311,7 @@ class PhaseRunner:
             pieces = [owned_rows[self.ranges[b][0]:self.ranges[b][1]] for b in blocks]
             dirty = torch.cat([self.dirty[q, self.ranges[b][0]:self.ranges[b][1]] for b in blocks]) if blocks \
                 else torch.zeros((0, len(self.groups)), dtype=torch.bool, device=self.device)
-            counts, kept = _kept_rows(pieces, dirty.any(dim=1))
-            if not blocks:
-                kept = torch.zeros((0, self.width + 1), device=self.device)
+            counts, kept = _kept_rows(pieces, self.width, self.device, dirty.any(dim=1))
             # the columns of the parameters some sent row changed in (the others equal the reader's copy)
             used = torch.zeros(self.width, dtype=torch.bool, device=self.device)
             for g, (c0, c1) in zip(dirty.any(dim=0).tolist(), self.groups):
@@ -320,8 +322,7 @@ class PhaseRunner:
             extras = self.extras_out.get(step, {}).get(q, [])
             self.mail.send_ints(torch.cat([torch.tensor(counts + [len(extras)], dtype=torch.int64),
                                            used.cpu().to(torch.int64)]), q, TAG_PUBLISH)
-            self.mail.send_rows(kept[:, torch.cat([torch.ones(1, dtype=torch.bool, device=self.device), used])],
-                                q, TAG_PUBLISH)
+            self.mail.send_rows(kept[:, _and_index(used)], q, TAG_PUBLISH)
             if extras:
                 self.mail.send_ints(torch.tensor([x for pair in extras for x in pair], dtype=torch.int64), q,
                                     TAG_EXTRA)

@@ -7,7 +7,7 @@ the densification statistics (`GRAD_EXTRA`) for contributions sent to owners.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,15 @@ def param_widths(num_rest: int) -> Dict[str, int]:
     return {"means": 3, "scales": 3, "quats": 4, "features_dc": 3, "features_rest": 3 * num_rest, "opacities": 1}
 
 
+def param_columns(num_rest: int) -> Dict[str, Tuple[int, int]]:
+    """[start, stop) columns of each parameter in a packed row, in `PARAM_NAMES` order."""
+    out, col = {}, 0
+    for name, width in param_widths(num_rest).items():
+        out[name] = (col, col + width)
+        col += width
+    return out
+
+
 def pack_params(params: Dict[str, torch.Tensor]) -> torch.Tensor:
     """[n, D] rows of the six Gaussian parameters (n may be 0: a rank can own no block)."""
     return torch.cat([params[name].detach().flatten(1) for name in PARAM_NAMES], dim=1)
@@ -32,13 +41,10 @@ def pack_params(params: Dict[str, torch.Tensor]) -> torch.Tensor:
 
 def unpack_params(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
     """Inverse of `pack_params` (views into `rows`)."""
-    out, col, n = {}, 0, rows.shape[0]
-    for name, width in param_widths(num_rest).items():
-        block = rows[:, col:col + width]
-        if name == "features_rest":
-            block = block.reshape(n, num_rest, 3)
-        out[name] = block
-        col += width
+    out, n = {}, rows.shape[0]
+    for name, (c0, c1) in param_columns(num_rest).items():
+        block = rows[:, c0:c1]
+        out[name] = block.reshape(n, num_rest, 3) if name == "features_rest" else block
     return out
 
 

@@ -132,8 +132,6 @@ class OdinSchedule:
             batch = self._stream[t * G:(t + 1) * G]
             if self.view_affinity:  # regions: a view's stream position is its slot
                 self._steps.append([batch[r * B:(r + 1) * B] for r in range(self.num_ranks)])
-                for k, v in enumerate(batch):
-                    self._loads[k] += self.costs[v]
                 continue
             slots: List[int] = [-1] * G
             for v in sorted(batch, key=lambda v: (-self.costs[v], batch.index(v))):
