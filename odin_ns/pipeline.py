@@ -17,6 +17,7 @@ from nerfstudio.pipelines.base_pipeline import Pipeline, VanillaPipeline, Vanill
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.datamanager import OdinDataManagerConfig
+from odin_ns.errors import OdinInputError
 from odin_ns.model import OdinModelConfig
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.engine import OdinEngine
@@ -46,6 +47,18 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     phase_length: int = 25
     """Most steps between two planning points (refine steps end a phase too). Read sets of a phase are inflated by
     the optimizer's largest motion over it: longer phases synchronize less often but read more blocks."""
+    max_staleness: int = 1
+    """Throughput-first: the most versions a read may be behind (1: it may miss the previous step's update of a
+    block, never an older one). More hides more of the ranks' imbalance and lets more updates be missed; 0 makes
+    odin-throughput odin. The other policies ignore it."""
+    admit_overlap: float = 1.0
+    """Throughput-first, the schedule's admission test: a read may be behind only if at most this share of the
+    view's Gaussians (counted by block) lie in the owner's blocks the pending steps update. 1 admits any overlap
+    (the evidence decides); 0 admits only reads of blocks the pending steps leave unchanged (exact: odin's result)."""
+    admit_update: float = 0.05
+    """Throughput-first, the runtime's evidence: a read k versions behind is admitted only if k times the relative
+    size ||delta|| / ||params|| of the last update of each block it reads is at most this. Smaller refuses more
+    reads (waits more, closer to odin); larger admits reads behind larger updates (hides more, drifts more)."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
@@ -53,6 +66,20 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
     seed: int = 42
     """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
+
+    def __post_init__(self) -> None:
+        check_admission(self)  # when the flags are parsed: before any rank starts or anything is written
+
+
+def check_admission(config: OdinPipelineConfig) -> None:
+    """The throughput-first options in range, or one line that says which is not."""
+    if config.max_staleness < 0:
+        raise OdinInputError(f"--pipeline.max-staleness must be 0 or more (got {config.max_staleness})")
+    if not 0.0 <= config.admit_overlap <= 1.0:
+        raise OdinInputError(f"--pipeline.admit-overlap is a share of a view's Gaussians, in [0, 1] "
+                             f"(got {config.admit_overlap})")
+    if not config.admit_update >= 0.0:  # also refuses nan
+        raise OdinInputError(f"--pipeline.admit-update must be 0 or more (got {config.admit_update})")
 
 
 def setup_model(config: OdinPipelineConfig, datamanager, device, grad_scaler: Optional[GradScaler] = None):
@@ -101,13 +128,11 @@ class OdinPipeline(VanillaPipeline):
         if test_mode == "val":  # training (nerfstudio's evaluation tools construct pipelines in test/inference)
             env = init_distributed(device.split(":")[0] if isinstance(device, str) else device.type,
                                    config.dist_timeout_s)
-            if env.distributed and env.rank == 0 and config.policy == "throughput":
-                CONSOLE.log("odin: the throughput-first policy runs the quality-first (exact) path in this version "
-                            "(admitted delayed reads are not there yet)")
             self.engine = OdinEngine(env, self.model, self.datamanager, config.block_size, config.micro_batch,
                                      config.seed, config.check_read_sets, policy=config.policy,
                                      phase_length=config.phase_length, view_order=config.view_order,
-                                     block_cut=config.block_cut)
+                                     block_cut=config.block_cut, max_staleness=config.max_staleness,
+                                     admit_overlap=config.admit_overlap, admit_update=config.admit_update)
 
     def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
         """The hook the trainer calls once per training step, around the model's forward and backward:

@@ -85,6 +85,7 @@ class OdinTrainer(Trainer):
             dist.barrier()
         self._started = time.perf_counter()
         self.engine.end_step = self._start_step + self.config.max_num_iterations
+        self.engine.save_every = self.config.steps_per_save
         super().train()
 
     def _after_train(self) -> None:
@@ -112,7 +113,8 @@ class OdinTrainer(Trainer):
         return write_stats(self.engine.log, self.env.world_size, wall, self.base_dir, meta)
 
     def train_iteration(self, step: int):
-        self.optimizers.zero_grad_all()
+        # no zero_grad_all: the Gaussians never get autograd gradients (views render copies), the owners' update
+        # sets each one's gradient itself, and a throughput-first update may be running on its thread right now
         loss, loss_dict, metrics_dict = self.pipeline.train_step(step, self.optimizers)
         refresh = self.config.pipeline.viewer_refresh_every
         if self.env.distributed and self.config.is_viewer_enabled() and step % refresh == 0:

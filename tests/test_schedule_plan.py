@@ -194,3 +194,46 @@ def test_simulator_predicts_waits_and_finds_deadlocks():
              1: [parse_action("R v7", 10), parse_action("U b3", 10), parse_action("G b1->r0", 10)]}
     with pytest.raises(Deadlock, match="rank 0 at U b0"):
         simulate_phase(lists, 10, costs, [0.0, 0.0], [0.0, 0.0])
+
+
+def _jitter_plan(staleness=0, barrier=False, admit_overlap=1.0) -> PhasePlan:
+    """2 ranks that read every block at every step; rank 0's view is the slow one at even steps, rank 1's at odd."""
+    n = 10
+    return PhasePlan(start=0, stop=n, num_ranks=2, owner=[0, 0, 1, 1], views=[[[2 * i], [2 * i + 1]] for i in range(n)],
+                     reads=[[[[0, 1, 2, 3]], [[0, 1, 2, 3]]] for _ in range(n)], barrier=barrier,
+                     staleness=staleness, admit_overlap=admit_overlap)
+
+
+def test_throughput_plan_publishes_ahead_and_admits_only_inside_its_bounds():
+    plan = _jitter_plan(staleness=1)
+    # the publication of update 3 serves the reads of steps 4 and 5; the phase-start one those of steps 0 and 1
+    assert plan.pub_readers(3, 0) == [1] and plan.pub_blocks(3, 0, 1) == [0, 1]
+    assert plan.pub_readers(plan.stop - 1, 0) == []  # nobody reads after the phase
+    # never behind at the phase start, never more than the bound, never older than the phase-start state
+    assert not plan.schedule_admits(0, 1, 0, 1)
+    assert plan.schedule_admits(1, 1, 0, 1) and plan.schedule_admits(5, 1, 0, 1)
+    assert not plan.schedule_admits(5, 1, 0, 2) and not plan.schedule_admits(5, 1, 0, 0)
+    assert _jitter_plan(staleness=2).schedule_admits(5, 1, 0, 2) and not _jitter_plan(staleness=2).schedule_admits(
+        1, 1, 0, 2)
+    # half of what rank 1 reads lies in rank 0's blocks, and the pending step updates them all
+    assert plan.overlap(5, 1, 0, 1) == 0.5
+    assert not _jitter_plan(staleness=1, admit_overlap=0.4).schedule_admits(5, 1, 0, 1)
+    # the exact plan is unchanged by all this: every read current, no update on a thread
+    assert all(a.stale == 0 and not a.early for a in _jitter_plan().actions(1))
+
+
+def test_reads_one_version_behind_hide_alternating_imbalance():
+    from odin_ns.schedule.simulate import Costs, parse_action, simulate
+
+    costs = Costs(render=lambda v: 1.0 if (v // 2) % 2 == v % 2 else 0.5, update=0.0, latency=0.0, phase=0.0)
+    barrier = simulate([_jitter_plan(barrier=True)], costs)
+    exact = simulate([_jitter_plan()], costs)
+    throughput = simulate([_jitter_plan(staleness=1)], costs)
+    assert barrier.busy_s == throughput.busy_s == [7.5, 7.5]
+    # every step waits for the slow view with the barrier and with exact reads (each view reads the other's
+    # blocks of the step before); one version behind, each rank runs at its own pace: the ideal
+    assert barrier.wall_s == exact.wall_s == 10.0
+    assert throughput.wall_s == throughput.ideal_s == 7.5
+    for a in _jitter_plan(staleness=1).actions(0):
+        assert parse_action(repr(a), a.step) == a
+    assert "~1" in _jitter_plan(staleness=1).actions_text() and "U~ b0,b1" in _jitter_plan(staleness=1).actions_text()

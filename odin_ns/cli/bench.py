@@ -5,9 +5,9 @@
                      [--keep-runs]
 
 `train` runs, one after the other in one invocation, on the same data, seeds and steps: `odin-barrier` on
-nerfstudio's random order, `odin-barrier` on Odin's schedule and `odin` on Odin's schedule. It prints one table
-(views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, the time breakdown per
-rank, bytes per step, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
+nerfstudio's random order, then `odin-barrier`, `odin` and `odin-throughput` on Odin's schedule. It prints one
+table (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, the time breakdown
+per rank, bytes per step, block reads admitted behind and refused, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
 hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
 order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra
 arguments after `--` go to every run before the scene's data parser (e.g. `-- --pipeline.block-size 256`).
@@ -45,7 +45,8 @@ SCENES = {
 # (label, method, view order): barrier on nerfstudio's order (what a user would otherwise run), then every policy
 # on Odin's schedule
 RUNS = [("barrier, random order", "odin-barrier", "random"), ("barrier", "odin-barrier", "odin"),
-        ("odin", "odin", "odin")]
+        ("odin", "odin", "odin"), ("odin-throughput", "odin-throughput", "odin")]
+POLICY = {"odin-barrier": "barrier", "odin": "quality", "odin-throughput": "throughput"}
 DEFAULT_FOX = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fox"
 
 
@@ -129,6 +130,8 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "round_walls_s": r.get("round_walls_s", [wall]),
             "read_set_misses": s["read_set_misses"], "misses_handled": s["misses_handled"],
             "mean_blocks_read": s["mean_blocks_read"], "mean_blocks_total": s["mean_blocks_total"],
+            "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
+            "max_staleness_seen": s.get("max_staleness_seen", 0),
         })
     return rows
 
@@ -137,7 +140,7 @@ def print_table(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
     cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "render", "update",
             "bookkeeping", "loop",
-            "validate", "transfer", "barrier", "phase", "MB/step", "PSNR")
+            "validate", "transfer", "barrier", "phase", "MB/step", "stale/refused", "PSNR")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -147,12 +150,15 @@ def print_table(rows: List[Dict], title: str) -> None:
                       f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%}",
                       *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s", "loop_s", "wait_validate_s",
                                                 "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
-                      f"{r['bytes_per_step'] / 1e6:.2f}", "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
+                      f"{r['bytes_per_step'] / 1e6:.2f}",
+                      f"{r['stale_admitted']}/{r['stale_refused']}" if r["policy"] == "throughput" else "-",
+                      "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
     Console(width=200).print(table)
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
           "busiest rank's render + update in the barrier run on Odin's schedule. 'At equal speed': speed-up and "
           "wait hidden with each run's wall scaled by how much faster or slower the same work computed in it "
-          "than in that barrier run (a shared machine's speed drifts between runs).")
+          "than in that barrier run (a shared machine's speed drifts between runs). 'stale/refused': block reads "
+          "admitted behind the newest version, and refused (waited for).")
 
 
 def train_main(argv: List[str]) -> int:
@@ -194,7 +200,7 @@ def train_main(argv: List[str]) -> int:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a kept run of an earlier invocation
                 run = run_training(args.ranks, method, flags, run_dir)
                 run.update(label=label, method=method, schedule=order, ranks=args.ranks,
-                           policy={"odin-barrier": "barrier", "odin": "quality"}[method])
+                           policy=POLICY[method])
                 # the trained model is the same in every round (same seeds and steps): evaluate it once
                 run["psnr"] = None if args.no_psnr or rep else held_out_psnr(run["config"])
                 tries[label].append(run)

@@ -36,6 +36,7 @@ from odin_ns.runtime.sharded import (GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, 
                                      unpack_params)
 from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
 from odin_ns.runtime.transport import exchange
+from odin_ns.runtime.update_worker import UpdateWorker
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
 from odin_ns.scene.blocks import block_bounds, build_layout
@@ -65,8 +66,22 @@ class OdinEngine:
 
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
-                 view_order: str = "odin", block_cut: str = "kd"):
+                 view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
+                 admit_overlap: float = 1.0, admit_update: float = 0.0):
         self.env = env
+        # throughput-first reads may be behind (alone, every policy is plain training: nothing to be behind of)
+        self.staleness = max_staleness if policy == "throughput" and env.distributed else 0
+        self.admit_overlap = admit_overlap if self.staleness else 0.0
+        self.admit_update = admit_update
+        self.applied = -1  # the last step whose update this rank's blocks have received
+        self.pending: Dict[int, Tuple[List[torch.Tensor], List[List[int]]]] = {}  # step -> contributions, blocks
+        self.own_current: Dict[int, bool] = {}  # step -> does the rank's read of its own blocks see every update
+        self.own_rows: torch.Tensor | None = None  # the owned rows this step renders (throughput-first)
+        self.own_version = -1  # the update those rows are the result of
+        self.worker: UpdateWorker | None = None
+        if self.staleness:  # owner updates beside the render (see runtime.update_worker)
+            self.worker = UpdateWorker(self._update_in_background, self._owned_rows)
+        self.save_every = 0  # the trainer's checkpoint interval: a checkpoint step ends its phase
         self.block_cut = block_cut
         self.policy = policy
         self.phase_length = phase_length
@@ -174,7 +189,7 @@ class OdinEngine:
     def _new_runner(self) -> None:
         self.width = self.sharded.width
         self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log,
-                                  list(param_columns(self.num_rest).values()))
+                                  list(param_columns(self.num_rest).values()), admit_update=self.admit_update)
         self.runner.reset(self.model.gauss_params["means"].shape[0])
         self.plan = None
 
@@ -189,14 +204,23 @@ class OdinEngine:
                 and step % st.reset_every >= st.pause_refine_after_reset)
         return grow or step % st.reset_every == 0
 
+    def _sh_degree_changes_at(self, step: int) -> bool:
+        """Splatfacto renders with SH degree min(step // sh_degree_interval, sh_degree)."""
+        interval, degree = self.model.config.sh_degree_interval, self.model.config.sh_degree
+        return interval > 0 and step % interval == 0 and 0 < step // interval <= degree
+
     def _phase_stop(self, start: int) -> int:
-        """First step after the phase that starts at `start`: a refine step ends its phase, and so does the end of
-        training and the phase length (a longer phase inflates its read sets by a larger motion bound)."""
+        """First step after the phase that starts at `start`: a refine step ends its phase, and so does a
+        checkpoint step (every update applied before it is saved), the end of training and the phase length (a
+        longer phase inflates its read sets by a larger motion bound); an SH degree change starts a phase. So no
+        read is ever behind across a structural change."""
         stop = start + max(1, self.phase_length)
         if self.end_step is not None:
             stop = min(stop, max(self.end_step, start + 1))
         for s in range(start, stop):
-            if self._is_refine_step(s):
+            if s > start and self._sh_degree_changes_at(s):
+                return s
+            if self._is_refine_step(s) or (self.save_every and s > 0 and s % self.save_every == 0):
                 return s + 1
         return stop
 
@@ -237,10 +261,16 @@ class OdinEngine:
             views.append(step_views)
             reads.append(per_step)
         return PhasePlan(start=start, stop=stop, num_ranks=self.env.world_size, owner=table.owner.tolist(),
-                         views=views, reads=reads, barrier=self.policy == "barrier", motion=motion, growth=growth)
+                         views=views, reads=reads, barrier=self.policy == "barrier", motion=motion, growth=growth,
+                         staleness=self.staleness, admit_overlap=self.admit_overlap, counts=table.count.tolist())
 
     def _begin_phase(self, step: int, optimizers) -> None:
+        if self.pending:
+            raise RuntimeError(f"updates of steps {sorted(self.pending)} were not applied at the phase boundary")
+        self.applied = self.own_version = step - 1
         self.plan = self._plan_phase(step, optimizers)
+        if self.worker is not None:
+            self.worker.begin(step - 1)
         self.plans_made += 1
         self.runner.envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
         self.runner.begin(self.plan, self.table, self._owned_rows())
@@ -284,17 +314,76 @@ class OdinEngine:
                 self._begin_phase(step, optimizers)
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
+        self._validate_own(step, optimizers)
         if self.env.distributed:
             self.runner.validate(step)
         return views
+
+    def _validate_own(self, step: int, optimizers) -> None:
+        """The rank's reads of its own blocks: apply the pending updates until the read is current or admitted
+        behind (throughput-first; the exact policies have applied every update by now)."""
+        plan, runner, me = self.plan, self.runner, self.env.rank
+        blocks = plan.publish_blocks(step, me, me)
+        at = torch.tensor(blocks, dtype=torch.int64)
+        tested = False
+        if self.worker is not None:
+            self._choose_own_version(step, blocks, at)
+            return
+        while self.applied < step - 1:
+            if plan.schedule_admits(step, me, me, step - 1 - self.applied):
+                tested = True
+                if runner.admits(step, me, me, self.applied, runner.rel_hist[self.applied][at]):
+                    break
+            self._apply_next_update(optimizers)
+        self.own_current[step] = self.applied == step - 1
+        self.own_rows = None
+        if not self.staleness:
+            return
+        runner.note_read(step, me, blocks, step - 1 - self.applied, tested, runner.rel_hist[self.applied][at])
+
+    def _choose_own_version(self, step: int, blocks: List[int], at: torch.Tensor) -> None:
+        """Throughput-first: the version of its own blocks the rank renders at `step`, decided as a reader decides
+        (from the plan and the evidence, never from how far the update thread has got), and its rows."""
+        plan, runner, me = self.plan, self.runner, self.env.rank
+        p, tested = self.own_version, False
+        with self.log.waiting("validate"):
+            while p < step - 1:
+                if plan.schedule_admits(step, me, me, step - 1 - p):
+                    tested = True
+                    self.worker.wait(p)
+                    if runner.admits(step, me, me, p, runner.rel_hist[p][at]):
+                        break
+                p += 1
+            self.own_rows = self.worker.rows(p)
+        self.own_version = p
+        self.own_current[step] = p == step - 1
+        runner.note_read(step, me, blocks, step - 1 - p, tested, runner.rel_hist[p][at])
+
+    def _update_in_background(self, step: int, mine, view_ids, optimizers) -> torch.Tensor | None:
+        rows = self._update_owners(step, mine, view_ids, optimizers)
+        optimizers.scheduler_step_all(step)
+        self.runner.forget_step(step)
+        return rows  # the packed rows it published: the copy the render thread may read
+
+    def _apply_next_update(self, optimizers) -> None:
+        """The owners' update of the oldest step not applied yet, then its learning-rate step."""
+        u = self.applied + 1
+        mine, view_ids = self.pending.pop(u)
+        self._update_owners(u, mine, view_ids, optimizers)
+        optimizers.scheduler_step_all(u)
+        self.runner.forget_step(u)
+        self.own_current.pop(u, None)
+        self.applied = u
 
     def render(self, step: int, views: Sequence[int]):
         """Render each view from its read set (owned blocks and replicas) and back-propagate into per-view leaves;
         (loss, loss dict, metrics dict, per-view contributions, per-view block ids)."""
         me, model, runner = self.env.rank, self.model, self.runner
         record = self.log.current
-        owned_rows = self._owned_rows()
-        view_ids = [runner.view_blocks(step, j) for j in range(len(views))]
+        owned_rows = self.own_rows if self.own_rows is not None else self._owned_rows()
+        self.own_rows = None
+        own_current = self.own_current.get(step, True)
+        view_ids = [runner.view_blocks(step, j, own_current) for j in range(len(views))]
         record.gaussians_replicated = runner.num_replicated()
         record.blocks_read = len({b for ids in view_ids for b in ids})
         mine: List[torch.Tensor] = []
@@ -317,19 +406,27 @@ class OdinEngine:
         return loss, loss_dict, metrics_dict, mine, view_ids
 
     def publish(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> None:
-        """After rendering: gradients to the blocks' owners, the owners' update in reference order, the changed
-        rows pushed to the ranks that read them next; odin-barrier's barrier; a phase's end."""
+        """After rendering: gradients to the blocks' owners, the owners' update in reference order (throughput-
+        first: of the step max-staleness before, the later ones wait until a read needs them or the phase ends),
+        the changed rows pushed to the ranks that read them next; odin-barrier's barrier; a phase's end."""
         plan, runner, record = self.plan, self.runner, self.log.current
         if self.env.distributed:
             runner.send_gradients(step, mine, view_ids)
         if self.check_read_sets:
             record.read_set_misses = self._count_misses(step)
-        self._update_owners(step, mine, view_ids, optimizers)
-        optimizers.scheduler_step_all(step)
+        if self.worker is not None:
+            self.worker.submit(step, list(mine), list(view_ids), optimizers)
+            if step + 1 == plan.stop:
+                with self.log.waiting("phase"):
+                    self.worker.wait(step)
+                self.applied = step
+        else:
+            self.pending[step] = (list(mine), list(view_ids))
+            while self.applied < step:
+                self._apply_next_update(optimizers)
         if self.policy == "barrier" and self.env.distributed:
             with self.log.waiting("barrier"):
                 dist.barrier()
-        runner.forget_step(step)
         if step + 1 == plan.stop:
             self._end_phase(step, optimizers)
         record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
@@ -367,7 +464,7 @@ class OdinEngine:
             for j, view in enumerate(views):
                 seen = set(self.plan.view_reads(step, q)[j])
                 if q == self.env.rank:
-                    seen |= set(self.runner.extras_in.get(step, {}).get(j, []))
+                    seen |= set(self.runner.view_blocks(step, j, self.own_current.get(step, True)))
                 seen |= {b for jj, b in extras.get(q, []) if jj == j}
                 outside = sorted(set(ranges) - seen)
                 if not outside:
@@ -398,8 +495,9 @@ class OdinEngine:
         return torch.cat([grads, extra.to(grads.dtype)], dim=1)
 
     @torch.no_grad()
-    def _update_owners(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> None:
-        """Sum contributions in reference order, selective Adam on the touched rows, then publish for step+1."""
+    def _update_owners(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> torch.Tensor | None:
+        """Sum contributions in reference order, selective Adam on the touched rows, then publish for step+1;
+        the packed owned rows published (None at the phase's last step)."""
         model = self.model
         width = self.width
         contributions = self.runner.collect(step, mine, view_ids)
@@ -426,6 +524,8 @@ class OdinEngine:
             grads = unpack_params(acc, self.num_rest)
             rows = torch.nonzero(touched).flatten()
             changed = torch.zeros((n_owned, len(PARAM_NAMES)), dtype=torch.bool, device=self.device)
+            # throughput-first: each block's relative update size, the evidence for admitting reads behind it
+            delta_sq = torch.zeros(n_owned, dtype=torch.float64, device=self.device) if self.staleness else None
             for g, n in enumerate(PARAM_NAMES):
                 param = model.gauss_params[n]
                 param.grad = grads[n].reshape(param.shape).contiguous()
@@ -434,13 +534,19 @@ class OdinEngine:
                 before = param.detach()[rows] if self.env.distributed else None  # indexing copies
                 opt.step()
                 if before is not None:  # which parameters of which rows changed: only those are published
-                    changed[rows, g] = (param.detach()[rows] != before).flatten(1).any(dim=1)
-        self.runner.updated(changed)
+                    after = param.detach()[rows]
+                    changed[rows, g] = (after != before).flatten(1).any(dim=1)
+                    if delta_sq is not None:
+                        delta_sq[rows] += (after - before).double().pow(2).flatten(1).sum(dim=1)
+        self.runner.updated(step, changed, delta_sq)
         if self.plan.contains(step + 1):
             params = {n: model.gauss_params[n].detach() for n in PARAM_NAMES}
             self.fault.apply(self, step, params)
             self.runner.check_envelope(step + 1, params, self._visible)
-            self.runner.publish(step + 1, self._owned_rows())
+            rows = self._owned_rows()
+            self.runner.publish(step, rows)
+            return rows
+        return None
 
     def _sync_table(self) -> None:
         """Current sizes and bounds of this rank's blocks into the table, then the all-gather that spreads them."""

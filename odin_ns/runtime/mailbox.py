@@ -10,6 +10,7 @@ gloo/NCCL tag per kind), so no sequence number is needed.
 
 from __future__ import annotations
 
+import threading
 from typing import List, Tuple
 
 import torch
@@ -29,10 +30,12 @@ class Mailbox:
         self.device = device
         self.log = log
         self._pending: List[Tuple[dist.Work, torch.Tensor]] = []
+        self._lock = threading.Lock()  # the render thread sends gradients while the update thread publishes
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        self._pending.append((dist.isend(tensor, peer, tag=tag), tensor))
+        with self._lock:
+            self._pending.append((dist.isend(tensor, peer, tag=tag), tensor))
         self.log.add_traffic(tensor.numel() * tensor.element_size(), 0)
 
     def send_ints(self, values: torch.Tensor, peer: int, tag: int) -> None:
@@ -42,7 +45,8 @@ class Mailbox:
         """Rows announced by a header sent before (nothing is sent for zero rows: the header says so)."""
         if rows.shape[0]:
             self._isend(rows, peer, tag)
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        with self._lock:
+            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv_ints(self, n: int, peer: int, tag: int, cause: str) -> torch.Tensor:
         values = torch.empty(n, dtype=torch.int64, device=self.device)
@@ -61,7 +65,8 @@ class Mailbox:
 
     def flush(self, cause: str = "phase") -> None:
         """Wait until every send has been taken (at a phase boundary, where every receive has been posted)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
         with self.log.waiting(cause):
-            for work, _ in self._pending:
+            for work, _ in pending:
                 work.wait()
-        self._pending.clear()

@@ -14,8 +14,15 @@ Per step t of the phase, on rank r (the action lists of `schedule.plan`):
 - update: the owner receives the gradients of every reader of step t, sums them in the reference order (rank,
   then view), and the engine applies selective Adam to the touched rows;
 - publish: the parameters of the rows the update changed are marked dirty for every other rank; each rank that
-  reads a block of this owner at t+1 is sent that block's dirty rows (their dirty parameters) as soon as the
-  update is done (pushed, never requested).
+  reads a block of this owner at t+1 (throughput-first: at t+1 .. t+1+max-staleness) is sent that block's dirty
+  rows (their dirty parameters) as soon as the update is done (pushed, never requested), with the relative size
+  of each block's last update (the runtime's evidence for admitting delayed reads).
+Throughput-first (DESIGN.md semantics 4): before a view renders, the reader takes the owner's publications in
+order until the read is admitted (`admits`: the plan's overlap test and the evidence) or current; a read k
+versions behind is never more than max-staleness behind nor older than the phase start. The owner replays the
+same decision for each of its readers (the same plan and evidence), so it knows which reads are current (the
+only ones a detected miss must complete). The engine does the same for the rank's reads of its own blocks: an
+update is applied before the view renders only when the read of those blocks is not admitted.
 Misses (DESIGN.md semantics 6): read sets come from the phase-start bounds inflated by a rigorous bound on the
 optimizer's motion, so a miss cannot come from training. The owner still checks after every update that its
 blocks lie inside the envelope the plan assumed; a block outside it is projected into every view of the next
@@ -28,6 +35,7 @@ than train on a result that differs from the synchronous reference.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,8 +89,9 @@ class PhaseRunner:
     """Replicas, dirty rows and the messages of one rank across the steps of its phases."""
 
     def __init__(self, env: DistEnv, width: int, grad_width: int, device: torch.device, log: WaitLog,
-                 groups: Sequence[Tuple[int, int]] = ()):
+                 groups: Sequence[Tuple[int, int]] = (), admit_update: float = 0.0):
         self.env = env
+        self.admit_update = admit_update  # the evidence threshold (see `admits`)
         self.width = width  # packed parameter columns
         # column ranges of the parameters (means, scales, ...): the unit in which changed values are tracked
         self.groups = list(groups) or [(0, width)]
@@ -97,10 +106,21 @@ class PhaseRunner:
         self.table: BlockTable | None = None
         self.envelope: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.extras_in: Dict[int, Dict[int, List[int]]] = {}  # step -> view slot -> extra block ids (reader)
+        self.extras_self: Dict[int, Dict[int, List[int]]] = {}  # the same, of this rank's own blocks
         self.extra_rows: Dict[Tuple[int, int], torch.Tensor] = {}  # (step, block) -> rows of a remote extra
         self.extras_out: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # step -> rank -> (slot, block) (owner)
         self.misses_handled = 0
         self.plan_violations = 0
+        # throughput-first state of the phase: per owner, the last update whose publication this rank took
+        # (None: none yet); per reader, the same as the owner replays it; the owner's evidence per update
+        self.pos: Dict[int, Optional[int]] = {}
+        self.sim_pos: Dict[int, Optional[int]] = {}
+        self.rel_now: torch.Tensor = torch.zeros(0, dtype=torch.float64)  # per block: its last update's size
+        self.rel_hist: Dict[int, torch.Tensor] = {}  # update -> rel_now after it (owned blocks)
+        self.rel_seen: torch.Tensor = torch.zeros(0, dtype=torch.float64)  # per remote block: as last published
+        self.open_stale: Dict[int, List[Tuple[dict, List[int], int, int]]] = {}  # owner -> (entry, blocks, pos, step)
+        self._structural = True
+        self._notes = threading.Lock()  # reads are noted by the render thread, skipped updates by the update one
 
     # ---- phases ------------------------------------------------------------------------------------------
 
@@ -109,9 +129,11 @@ class PhaseRunner:
         self.replicas.clear()
         self.dirty = torch.ones((self.env.world_size, n_owned, len(self.groups)), dtype=torch.bool,
                                 device=self.device)
+        self._structural = True
 
     def mark_all_dirty(self) -> None:
         self.dirty[:] = True
+        self._structural = True  # the size of the blocks' last update is unknown after a structural change
 
     def begin(self, plan: PhasePlan, table: BlockTable, owned_rows: torch.Tensor) -> None:
         """Start a phase: keep its plan, the bounds it assumed, and publish the blocks read at its first step."""
@@ -120,54 +142,151 @@ class PhaseRunner:
         if self.dirty.shape[1] != owned_rows.shape[0]:
             self.reset(owned_rows.shape[0])
         self.extras_in.clear()
+        self.extras_self.clear()
         self.extra_rows.clear()
         self.extras_out.clear()
-        self.publish(plan.start, owned_rows)
+        B = plan.num_blocks
+        if self._structural or self.rel_now.numel() != B:
+            self.rel_now = torch.full((B,), math.inf, dtype=torch.float64)
+            self._structural = False
+        self.rel_hist = {plan.start - 1: self.rel_now.clone()}
+        # per owned block (ascending id): the squared norm of its packed parameters, the evidence's denominator
+        owned = sorted(self.ranges)
+        sizes = torch.tensor([self.ranges[b][1] - self.ranges[b][0] for b in owned], dtype=torch.int64)
+        self.norm_sq = torch.zeros(len(owned), dtype=torch.float64).index_add_(
+            0, torch.repeat_interleave(torch.arange(len(owned)), sizes),
+            owned_rows.double().pow(2).sum(dim=1).cpu()) if owned else torch.zeros(0, dtype=torch.float64)
+        self.rel_seen = torch.full((B,), math.inf, dtype=torch.float64)
+        # nothing of this phase taken yet: the phase-start publication (the state at the boundary) is update
+        # start-1 of every owner
+        self.pos = {o: None for o in range(plan.num_ranks) if o != self.env.rank}
+        self.sim_pos = dict.fromkeys(self.pos)
+        self.open_stale = {}
+        self.publish(plan.start - 1, owned_rows)
 
     def finish(self) -> None:
-        """End of a phase: every send taken (all its receives were posted by the plan's end)."""
+        """End of a phase: every publication still owed to this rank taken (reads that were admitted behind
+        skipped some), then every send taken (all their receives are posted by then)."""
         if self.mail is not None:
+            plan, me = self.plan, self.env.rank
+            for o in sorted(self.pos):
+                p = self.pos[o]
+                while True:
+                    u = plan.next_publication(o, me, plan.start - 2 if p is None else p, plan.stop - 2)
+                    if u is None:
+                        break
+                    self._receive(o, u, None)
+                    p = u
+                self.pos[o] = p
             self.mail.flush()
 
     # ---- validate and render -----------------------------------------------------------------------------
 
+    def admits(self, step: int, reader: int, owner: int, pos: int, rels: torch.Tensor) -> bool:
+        """May `reader`'s read of `owner`'s blocks at `step` use the version of update `pos`? The plan's overlap
+        test, and the evidence: k (versions behind) times the largest relative size of the last update of the
+        blocks read (`rels`, as published with update `pos`) at most `admit_update`. A block whose size is
+        unknown (after a structural change) or that left its planned bounds has size inf: never admitted."""
+        k = step - 1 - pos
+        if not self.plan.schedule_admits(step, reader, owner, k):
+            return False
+        return k * (float(rels.max()) if rels.numel() else 0.0) <= self.admit_update
+
     def validate(self, step: int) -> None:
-        """Receive every publication this rank's views of `step` depend on, and apply it to the replicas."""
-        plan, me, table = self.plan, self.env.rank, self.table
+        """Take every publication this rank's views of `step` depend on, in order, until each owner's read is
+        current or admitted behind; apply them to the replicas."""
+        plan, me = self.plan, self.env.rank
         for o in plan.deps(step, me):
             blocks = plan.publish_blocks(step, o, me)
-            header = self.mail.recv_ints(len(blocks) + 1 + self.width, o, TAG_PUBLISH, "validate")
-            counts, n_extra = header[:len(blocks)], int(header[len(blocks)])
-            cols = _columns(header[len(blocks) + 1:] > 0).to(self.device)
-            rows = self.mail.recv_rows(int(counts.sum()), 1 + cols.numel(), torch.float32, o, TAG_PUBLISH,
-                                       "validate")
-            start = 0
-            for b, n in zip(blocks, counts.tolist()):
-                piece = rows[start:start + n]
-                start += n
-                if b not in self.replicas:
-                    if n != int(table.count[b]) or cols.numel() != self.width:
-                        raise OdinRuntimeError(f"block {b}: first publication holds {n} of {int(table.count[b])} "
-                                               f"rows, {cols.numel()} of {self.width} columns")
-                    self.replicas[b] = torch.empty((n, self.width), dtype=rows.dtype, device=self.device)
-                if n:
-                    self.replicas[b][piece[:, 0].long()[:, None], cols[None, :]] = piece[:, 1:]
-            if n_extra:  # whole blocks added to a read set after a detected miss: every row, every column
-                extras = self.mail.recv_ints(2 * n_extra, o, TAG_EXTRA, "validate").view(-1, 2)
-                extra_sizes = [int(table.count[int(b)]) for b in extras[:, 1]]
-                extra = self.mail.recv_rows(sum(extra_sizes), self.width, torch.float32, o, TAG_EXTRA, "validate")
-                start = 0
-                for k in range(n_extra):
-                    j, b = int(extras[k, 0]), int(extras[k, 1])
-                    n = extra_sizes[k]
-                    self.extra_rows[(step, b)] = extra[start:start + n]
-                    start += n
-                    self.extras_in.setdefault(step, {}).setdefault(j, []).append(b)
+            at = torch.tensor(blocks, dtype=torch.int64)
+            p, tested = self.pos[o], False
+            while p is None or p < step - 1:
+                if p is not None and plan.schedule_admits(step, me, o, step - 1 - p):
+                    tested = True
+                    if self.admits(step, me, o, p, self.rel_seen[at]):
+                        break
+                p = plan.next_publication(o, me, plan.start - 2 if p is None else p, step - 1)
+                self._receive(o, p, step)
+            self.pos[o] = p
+            self.note_read(step, o, blocks, step - 1 - p, tested, self.rel_seen[at])
 
-    def view_blocks(self, step: int, slot: int) -> List[int]:
-        """Ascending block ids view `slot` of this rank renders at `step`: its read set and any extra."""
+    def note_read(self, step: int, owner: int, blocks: List[int], k: int, tested: bool, rels: torch.Tensor) -> None:
+        """Count a read of `owner`'s blocks at `step`: admitted k versions behind, or refused (waited for)."""
+        if not blocks:
+            return
+        record = self.log.current
+        with self._notes:
+            self._note_read(record, step, owner, blocks, k, tested, rels)
+
+    def _note_read(self, record, step, owner, blocks, k, tested, rels) -> None:
+        if k:
+            entry = {"owner": owner, "staleness": k, "blocks": len(blocks),
+                     "estimate": k * (float(rels.max()) if rels.numel() else 0.0), "skipped": 0.0}
+            record.stale_reads.append(entry)
+            self.open_stale.setdefault(owner, []).append((entry, blocks, step - 1 - k, step))
+        elif tested:
+            record.stale_refused += len(blocks)
+
+    def note_skipped(self, owner: int, update: int, rel: torch.Tensor) -> None:
+        """Update `update` of `owner` is known now: its size is what the reads that skipped it missed."""
+        with self._notes:
+            self._note_skipped(owner, update, rel)
+
+    def _note_skipped(self, owner: int, update: int, rel: torch.Tensor) -> None:
+        kept = []
+        for entry, blocks, pos, step in self.open_stale.get(owner, []):
+            if pos < update <= step - 1:
+                entry["skipped"] = max(entry["skipped"], float(rel[torch.tensor(blocks)].max()))
+            if update < step - 1:
+                kept.append((entry, blocks, pos, step))
+        self.open_stale[owner] = kept
+
+    def _receive(self, o: int, update: int, step: Optional[int]) -> None:
+        """Take owner o's publication of `update` (its changed rows, any extra block for step update+1)."""
+        plan, me, table = self.plan, self.env.rank, self.table
+        blocks = plan.pub_blocks(update, o, me)
+        nb = len(blocks)
+        header = self.mail.recv_ints(2 * nb + 1 + self.width, o, TAG_PUBLISH, "validate")
+        counts, n_extra = header[:nb], int(header[nb])
+        cols = _columns(header[nb + 1:nb + 1 + self.width] > 0).to(self.device)
+        rel = header[nb + 1 + self.width:].view(torch.float64)
+        at = torch.tensor(blocks, dtype=torch.int64)
+        self.rel_seen[at] = rel
+        self.note_skipped(o, update, self.rel_seen)
+        rows = self.mail.recv_rows(int(counts.sum()), 1 + cols.numel(), torch.float32, o, TAG_PUBLISH, "validate")
+        start = 0
+        for b, n in zip(blocks, counts.tolist()):
+            piece = rows[start:start + n]
+            start += n
+            if b not in self.replicas:
+                if n != int(table.count[b]) or cols.numel() != self.width:
+                    raise OdinRuntimeError(f"block {b}: first publication holds {n} of {int(table.count[b])} "
+                                           f"rows, {cols.numel()} of {self.width} columns")
+                self.replicas[b] = torch.empty((n, self.width), dtype=rows.dtype, device=self.device)
+            if n:
+                self.replicas[b][piece[:, 0].long()[:, None], cols[None, :]] = piece[:, 1:]
+        if n_extra:  # whole blocks added to a read set of step update+1 after a detected miss
+            if step != update + 1:
+                raise OdinRuntimeError(f"rank {o} sent extra blocks for step {update + 1} to a read it expected "
+                                       "to be behind")
+            extras = self.mail.recv_ints(2 * n_extra, o, TAG_EXTRA, "validate").view(-1, 2)
+            extra_sizes = [int(table.count[int(b)]) for b in extras[:, 1]]
+            extra = self.mail.recv_rows(sum(extra_sizes), self.width, torch.float32, o, TAG_EXTRA, "validate")
+            start = 0
+            for k in range(n_extra):
+                j, b = int(extras[k, 0]), int(extras[k, 1])
+                n = extra_sizes[k]
+                self.extra_rows[(step, b)] = extra[start:start + n]
+                start += n
+                self.extras_in.setdefault(step, {}).setdefault(j, []).append(b)
+
+    def view_blocks(self, step: int, slot: int, own_current: bool = True) -> List[int]:
+        """Ascending block ids view `slot` of this rank renders at `step`: its read set and any extra (of its own
+        blocks only when its read of them is current: a read behind renders a version that was inside)."""
         ids = list(self.plan.view_reads(step, self.env.rank)[slot])
-        extra = self.extras_in.get(step, {}).get(slot, [])
+        extra = list(self.extras_in.get(step, {}).get(slot, []))
+        if own_current:
+            extra += self.extras_self.get(step, {}).get(slot, [])
         return sorted(ids + extra) if extra else ids
 
     def render_rows(self, step: int, block_ids: Sequence[int], owned_rows: torch.Tensor) -> torch.Tensor:
@@ -259,17 +378,52 @@ class PhaseRunner:
 
     # ---- after the owner's update ------------------------------------------------------------------------
 
-    def updated(self, changed: torch.Tensor) -> None:
-        """Values the update changed ([rows, groups] bool) are dirty for every other rank."""
+    def updated(self, update: int, changed: torch.Tensor, delta_sq: Optional[torch.Tensor] = None) -> None:
+        """Values update `update` changed ([rows, groups] bool) are dirty for every other rank; with the per-row
+        squared change of the packed parameters, each changed block's relative update size ||delta|| / ||params||
+        (its parameters at the phase start) becomes its evidence (blocks the update did not change keep theirs)."""
         if self.env.distributed:
             self.dirty |= changed[None]
             self.dirty[self.env.rank] = False
+        if delta_sq is not None and self.ranges:
+            owned = sorted(self.ranges)
+            sizes = torch.tensor([self.ranges[b][1] - self.ranges[b][0] for b in owned])
+            block_of = torch.repeat_interleave(torch.arange(len(owned)), sizes)
+            d = torch.zeros(len(owned), dtype=torch.float64).index_add_(0, block_of, delta_sq.double().cpu())
+            n = self.norm_sq
+            hit = d > 0
+            at = torch.tensor(owned, dtype=torch.int64)
+            self.rel_now[at[hit]] = torch.sqrt(d[hit] / n[hit].clamp_min(1e-30))
+        self.rel_hist[update] = self.rel_now.clone()
+        self.note_skipped(self.env.rank, update, self.rel_now)
+
+    def reader_current(self, step: int) -> Dict[int, bool]:
+        """For each other rank that reads this rank's blocks at `step`: is its read current (True) or admitted
+        behind? The reader's own decision, replayed from the same plan and the evidence this rank published."""
+        plan, me = self.plan, self.env.rank
+        out = {}
+        for q in plan.readers(step, me):
+            at = torch.tensor(plan.publish_blocks(step, me, q), dtype=torch.int64)
+            p = self.sim_pos[q]
+            while p is None or p < step - 1:
+                if p is not None and plan.schedule_admits(step, q, me, step - 1 - p) and \
+                        self.admits(step, q, me, p, self.rel_hist[p][at]):
+                    break
+                p = plan.next_publication(me, q, plan.start - 2 if p is None else p, step - 1)
+            self.sim_pos[q] = p
+            out[q] = p == step - 1
+        return out
 
     def check_envelope(self, step: int, params: Dict[str, torch.Tensor],
                        visible_in: Callable[[int, torch.Tensor], bool]) -> None:
         """Before publishing for `step`: are this rank's blocks inside the envelope the plan assumed for it? A
-        block outside is tested against every view of `step` that does not read it (`visible_in(view, rows)`)."""
-        if not self.plan.contains(step) or step == self.plan.start or not self.ranges:
+        block outside is tested against every view of `step` that does not read it (`visible_in(view, rows)`)
+        and whose read of this rank is current (a read admitted behind renders an older version, which was
+        inside); its evidence becomes inf, so that no later read is admitted behind it."""
+        if not self.plan.contains(step) or step == self.plan.start:
+            return
+        current = self.reader_current(step) if self.env.distributed else {}
+        if not self.ranges:
             return
         plan, me = self.plan, self.env.rank
         lo, hi, max_scale = shard_bounds(params, self.ranges)
@@ -283,6 +437,8 @@ class PhaseRunner:
         for k in torch.nonzero(~inside).flatten().tolist():
             b = owned[k]
             self.plan_violations += 1
+            self.rel_now[b] = math.inf
+            self.rel_hist[step - 1][b] = math.inf
             s, e = self.ranges[b]
             block_rows = {n: t[s:e] for n, t in params.items()}
             for q in range(plan.num_ranks):
@@ -295,19 +451,23 @@ class PhaseRunner:
                             f"{plan.rank_views(step, q)[j]} of rank {q}, which does not wait for rank {me} at step "
                             f"{step}: its read set cannot be completed in time (a parameter changed outside the "
                             "optimizer?); rerun with a shorter --pipeline.phase-length")
+                    if not current.get(q, True):
+                        continue
                     self.misses_handled += 1
-                    if q == me:
-                        self.extras_in.setdefault(step, {}).setdefault(j, []).append(b)
+                    if q == me:  # used only if the rank's read of its own blocks at `step` is current
+                        self.extras_self.setdefault(step, {}).setdefault(j, []).append(b)
                     else:
                         self.extras_out.setdefault(step, {}).setdefault(q, []).append((j, b))
 
-    def publish(self, step: int, owned_rows: torch.Tensor) -> None:
-        """Push to every rank that reads a block of this rank at `step` its dirty rows (and any extra block)."""
-        if not self.env.distributed or not self.plan.contains(step):
+    def publish(self, update: int, owned_rows: torch.Tensor) -> None:
+        """Push update `update` (start-1: the phase-start state) to every rank that reads a block of this rank in
+        its window: the dirty rows, their dirty parameters, each block's evidence, any extra block of the next
+        step."""
+        if not self.env.distributed or not self.plan.contains(update + 1):
             return
         plan, me = self.plan, self.env.rank
-        for q in plan.readers(step, me):
-            blocks = plan.publish_blocks(step, me, q)
+        for q in plan.pub_readers(update, me):
+            blocks = plan.pub_blocks(update, me, q)
             pieces = [owned_rows[self.ranges[b][0]:self.ranges[b][1]] for b in blocks]
             dirty = torch.cat([self.dirty[q, self.ranges[b][0]:self.ranges[b][1]] for b in blocks]) if blocks \
                 else torch.zeros((0, len(self.groups)), dtype=torch.bool, device=self.device)
@@ -319,9 +479,10 @@ class PhaseRunner:
             for b in blocks:
                 s, e = self.ranges[b]
                 self.dirty[q, s:e] = False
-            extras = self.extras_out.get(step, {}).get(q, [])
+            extras = self.extras_out.get(update + 1, {}).get(q, [])
+            rel = self.rel_hist[update][torch.tensor(blocks, dtype=torch.int64)].contiguous().view(torch.int64)
             self.mail.send_ints(torch.cat([torch.tensor(counts + [len(extras)], dtype=torch.int64),
-                                           used.cpu().to(torch.int64)]), q, TAG_PUBLISH)
+                                           used.cpu().to(torch.int64), rel]), q, TAG_PUBLISH)
             self.mail.send_rows(kept[:, _and_index(used)], q, TAG_PUBLISH)
             if extras:
                 self.mail.send_ints(torch.tensor([x for pair in extras for x in pair], dtype=torch.int64), q,
@@ -331,6 +492,7 @@ class PhaseRunner:
 
     def forget_step(self, step: int) -> None:
         self.extras_in.pop(step, None)
+        self.extras_self.pop(step, None)
         self.extras_out.pop(step, None)
         for key in [k for k in self.extra_rows if k[0] == step]:
             del self.extra_rows[key]

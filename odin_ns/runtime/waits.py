@@ -13,6 +13,7 @@ trainer loop: logging, callbacks, the viewer).
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,13 @@ class StepRecord:
     misses_handled: int = 0
     plan_violations: int = 0
     phase_start: bool = False
+    # throughput-first: reads admitted behind ({owner, staleness, blocks, estimate, skipped}: the versions behind,
+    # the blocks read, the evidence k x last update size, the largest relative size of the updates it skipped)
+    # and block reads refused (the read waited for the newest version)
+    stale_reads: List[dict] = field(default_factory=list)
+    stale_refused: int = 0
+    # throughput-first: the owner update thread's time during the step (beside the render, not on its path)
+    background_s: Dict[str, float] = field(default_factory=lambda: {"update": 0.0, "transfer": 0.0})
     segments: List[list] = field(default_factory=list)  # [kind, start offset s, duration s] for timelines
 
     def to_dict(self) -> dict:
@@ -56,6 +64,8 @@ class StepRecord:
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
             "plan_violations": self.plan_violations, "phase_start": self.phase_start,
+            "stale_reads": [dict(e) for e in self.stale_reads], "stale_refused": self.stale_refused,
+            "background_s": dict(self.background_s),
             "segments": [[k, round(a, 6), round(d, 6)] for k, a, d in self.segments],
         }
 
@@ -65,6 +75,7 @@ class WaitLog:
 
     def __init__(self, rank: int):
         self.rank = rank
+        self._thread = threading.get_ident()  # the render thread; another (the update thread) counts apart
         self.records: List[StepRecord] = []
         self.current = StepRecord(step=-1, rank=rank)
 
@@ -97,6 +108,10 @@ class WaitLog:
     @contextmanager
     def waiting(self, cause: str) -> Iterator[None]:
         """Time spent blocked, by cause; a wait inside another counts once, under the outer cause."""
+        if threading.get_ident() != self._thread:
+            with self._background("transfer"):
+                yield
+            return
         if getattr(self, "_depth", 0):
             yield
             return
@@ -117,7 +132,20 @@ class WaitLog:
             self.current.compute_s += self._segment("render", started)
 
     @contextmanager
+    def _background(self, kind: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            record = self.current
+            record.background_s[kind] = record.background_s.get(kind, 0.0) + time.perf_counter() - started
+
+    @contextmanager
     def updating(self) -> Iterator[None]:
+        if threading.get_ident() != self._thread:
+            with self._background("update"):
+                yield
+            return
         started = time.perf_counter()
         try:
             yield

@@ -14,6 +14,15 @@ schedules: `W b3@v7 <-r1` (wait until block 3, owned by rank 1, is at version 7)
 (owner update once every contribution is in), `P b3->r0` (publish the new version to a rank that reads it next),
 `B` (the global barrier, odin-barrier only).
 
+Throughput-first (`staleness` > 0, DESIGN.md semantics 4): a publication of update u goes to every rank that
+reads the owner's blocks at any of the steps u+1 .. u+1+staleness (the publication window), so that a reader
+that skips the newest version of a block still holds the one before it. The plan's part of the admission is
+`schedule_admits`: a read at step t may use the version of update t-1-k (k <= staleness, never from before the
+phase start) when the share of the view's Gaussians in the owner's blocks that the pending steps t-k .. t-1
+update is at most `admit_overlap`; the runtime's gradient evidence decides the rest (`runtime.admission`). The
+action lists assume every read the plan admits is admitted (the prediction's upper bound); a stale wait reads
+`W b3@v6 <-r1 ~1` (one version behind).
+
 The plan is plain data: `to_dict` gives JSON, `actions_text` a diffable listing.
 """
 
@@ -33,6 +42,8 @@ class Action:
     blocks: Tuple[int, ...] = ()
     version: Tuple[int, ...] = ()  # "W": the version each block must be at
     view: int = -1  # "R"
+    stale: int = 0  # "W": how many versions behind the newest the read may be (throughput-first)
+    early: bool = False  # "U": on the owner's update thread, beside the render (throughput-first)
 
     def __repr__(self) -> str:
         if self.kind == "R":
@@ -40,9 +51,10 @@ class Action:
         if self.kind == "B":
             return "B"
         if self.kind == "W":
-            return " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
+            text = " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
+            return text + (f" ~{self.stale}" if self.stale else "")
         if self.kind == "U":
-            return "U " + ",".join(f"b{b}" for b in self.blocks)
+            return ("U~ " if self.early else "U ") + ",".join(f"b{b}" for b in self.blocks)
         arrow = "->"
         return f"{self.kind} " + ",".join(f"b{b}" for b in self.blocks) + f"{arrow}r{self.peer}"
 
@@ -64,8 +76,12 @@ class PhasePlan:
     barrier: bool = False
     motion: List[float] = field(default_factory=list)  # per step: bound on how far a mean moved since the start
     growth: List[float] = field(default_factory=list)  # per step: bound on how much a log-scale grew since then
+    staleness: int = 0  # most versions a read may be behind (0: every read sees the newest, the exact policies)
+    admit_overlap: float = 0.0  # the schedule's admission threshold (see `schedule_admits`)
+    counts: List[int] = field(default_factory=list)  # Gaussians per block at the phase start (overlap weights)
     _union: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
     _deps: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
+    _memo: Dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop <= self.start:
@@ -79,6 +95,10 @@ class PhasePlan:
         self._union = [[sorted({b for ids in per_rank for b in ids}) for per_rank in step] for step in self.reads]
         self._deps = [[sorted({self.owner[b] for b in blocks} - {q}) for q, blocks in enumerate(step)]
                       for step in self._union]
+        if not self.counts:
+            self.counts = [1] * len(self.owner)
+        self._memo = {}  # (dataclasses.replace copies it: a plan with another staleness starts afresh)
+        self._touched = [frozenset(b for blocks in step for b in blocks) for step in self._union]
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -122,6 +142,47 @@ class PhasePlan:
         """Blocks of `owner` that `reader` reads at `step` (what the publication of step-1 brings it)."""
         return [b for b in self.union_reads(step, reader) if self.owner[b] == owner]
 
+    # ---- publications and the schedule's admission (throughput-first) ----------------------------------
+
+    def _window(self, update: int) -> range:
+        """Steps whose reads the publication of `update` serves: update+1 .. update+1+staleness, in the phase."""
+        return range(max(update + 1, self.start), min(update + 2 + self.staleness, self.stop))
+
+    def pub_readers(self, update: int, owner: int) -> List[int]:
+        """Ranks `owner` publishes update `update` to (start-1: the phase-start state), ascending."""
+        key = ("readers", update, owner)
+        if key not in self._memo:
+            self._memo[key] = sorted({q for t in self._window(update) for q in self.readers(t, owner)})
+        return self._memo[key]
+
+    def pub_blocks(self, update: int, owner: int, reader: int) -> List[int]:
+        """Blocks of `owner` in its publication of `update` to `reader`: those `reader` reads in the window."""
+        key = ("blocks", update, owner, reader)
+        if key not in self._memo:
+            self._memo[key] = sorted({b for t in self._window(update) for b in self.publish_blocks(t, owner, reader)})
+        return self._memo[key]
+
+    def overlap(self, step: int, reader: int, owner: int, k: int) -> float:
+        """Share of the Gaussians `reader` reads at `step` (counted by block) that lie in blocks of `owner` that
+        the pending steps step-k .. step-1 update."""
+        reads = self.union_reads(step, reader)
+        total = sum(self.counts[b] for b in reads)
+        pending = set().union(*(self._touched[self.index(t)] for t in range(max(step - k, self.start), step)))
+        hit = sum(self.counts[b] for b in reads if self.owner[b] == owner and b in pending)
+        return hit / total if total else 0.0
+
+    def schedule_admits(self, step: int, reader: int, owner: int, k: int) -> bool:
+        """May `reader`'s read of `owner`'s blocks at `step` be k versions behind, as far as the plan knows?"""
+        return 1 <= k <= min(self.staleness, step - self.start) and \
+            self.overlap(step, reader, owner, k) <= self.admit_overlap
+
+    def next_publication(self, owner: int, reader: int, after: int, until: int) -> int | None:
+        """The first update in (after, until] whose publication `owner` sends to `reader` (None: none)."""
+        for u in range(max(after + 1, self.start - 1), until + 1):
+            if reader in self.pub_readers(u, owner):
+                return u
+        return None
+
     def versions(self) -> List[List[int]]:
         """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""
         current = [0] * self.num_blocks
@@ -135,23 +196,40 @@ class PhasePlan:
     # ---- the action lists ------------------------------------------------------------------------------
 
     def actions(self, rank: int) -> List[Action]:
-        """The rank's whole phase as a list of actions, in the order the runtime runs them."""
+        """The rank's whole phase as a list of actions, in the order the runtime runs them. Throughput-first, as
+        if every read the plan admits behind were admitted by the runtime too: the rank's read of its own blocks
+        is a `W` from itself (the version its update thread must have reached), and updates are `U~`, run by
+        that thread beside the renders."""
         out: List[Action] = []
         versions = self.versions()
-        owned = [b for b, o in enumerate(self.owner) if o == rank]
+        owned = {b for b, o in enumerate(self.owner) if o == rank}
+        pos: Dict[int, int | None] = {o: None for o in range(self.num_ranks) if o != rank}  # publications taken
+        own = self.start - 1  # the version of its own blocks the rank renders
         for i, step in enumerate(range(self.start, self.stop)):
+            if self.staleness:
+                while own < step - 1 and not self.schedule_admits(step, rank, rank, step - 1 - own):
+                    own += 1
+                blocks = tuple(self.publish_blocks(step, rank, rank))
+                if blocks:
+                    k = step - 1 - own
+                    out.append(Action("W", step, rank, blocks, tuple(versions[i - k][b] for b in blocks), stale=k))
             for o in self.deps(step, rank):
+                p = pos[o]
+                while p is None or p < step - 1:
+                    if p is not None and self.schedule_admits(step, rank, o, step - 1 - p):
+                        break
+                    p = self.next_publication(o, rank, self.start - 2 if p is None else p, step - 1)
+                pos[o] = p
+                k = step - 1 - p
                 blocks = tuple(self.publish_blocks(step, o, rank))
-                out.append(Action("W", step, o, blocks, tuple(versions[i][b] for b in blocks)))
+                out.append(Action("W", step, o, blocks, tuple(versions[i - k][b] for b in blocks), stale=k))
             for v in self.rank_views(step, rank):
                 out.append(Action("R", step, view=v))
             for o in self.deps(step, rank):
                 out.append(Action("G", step, o, tuple(sorted({b for _, b in self.grad_entries(step, rank, o)}))))
-            read_by_any = sorted({b for q in range(self.num_ranks) for b in self.union_reads(step, q)} & set(owned))
-            out.append(Action("U", step, blocks=tuple(read_by_any)))
-            if step + 1 < self.stop:
-                for q in self.readers(step + 1, rank):
-                    out.append(Action("P", step, q, tuple(self.publish_blocks(step + 1, rank, q))))
+            out.append(Action("U", step, blocks=tuple(sorted(self._touched[i] & owned)), early=self.staleness > 0))
+            for q in self.pub_readers(step, rank):
+                out.append(Action("P", step, q, tuple(self.pub_blocks(step, rank, q))))
             if self.barrier:
                 out.append(Action("B", step))
         return out
@@ -171,13 +249,16 @@ class PhasePlan:
     def to_dict(self) -> Dict:
         return {"start": self.start, "stop": self.stop, "num_ranks": self.num_ranks, "owner": list(self.owner),
                 "views": self.views, "reads": self.reads, "barrier": self.barrier,
-                "motion": list(self.motion), "growth": list(self.growth)}
+                "motion": list(self.motion), "growth": list(self.growth), "staleness": self.staleness,
+                "admit_overlap": self.admit_overlap, "counts": list(self.counts)}
 
     @classmethod
     def from_dict(cls, d: Dict) -> "PhasePlan":
         return cls(start=d["start"], stop=d["stop"], num_ranks=d["num_ranks"], owner=list(d["owner"]),
                    views=d["views"], reads=d["reads"], barrier=d.get("barrier", False),
-                   motion=list(d.get("motion", [])), growth=list(d.get("growth", [])))
+                   motion=list(d.get("motion", [])), growth=list(d.get("growth", [])),
+                   staleness=d.get("staleness", 0), admit_overlap=d.get("admit_overlap", 0.0),
+                   counts=list(d.get("counts", [])))
 
 
 def dependency_pairs(plan: PhasePlan) -> Dict[Tuple[int, int], int]:

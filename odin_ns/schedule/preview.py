@@ -35,9 +35,16 @@ class Preview:
     block_extent: List[float]  # per block: the diagonal of its bound box / the diagonal of the scene's points
     num_views: int
 
-    def barrier_plans(self) -> List[PhasePlan]:
-        """The same plans with odin-barrier's global barrier after every step."""
-        return [dataclasses.replace(p, barrier=True) for p in self.plans]
+    staleness: int = 1  # the run's --pipeline.max-staleness and --pipeline.admit-overlap (throughput-first)
+    admit_overlap: float = 1.0
+
+    def policy_plans(self) -> Dict[str, List[PhasePlan]]:
+        """The same views and read sets under each policy: odin-barrier (a global barrier after every step), odin
+        (exact reads), odin-throughput (reads behind wherever the plan admits them)."""
+        return {"odin-barrier": [dataclasses.replace(p, barrier=True, staleness=0) for p in self.plans],
+                "odin": [dataclasses.replace(p, barrier=False, staleness=0) for p in self.plans],
+                "odin-throughput": [dataclasses.replace(p, barrier=False, staleness=self.staleness,
+                                                        admit_overlap=self.admit_overlap) for p in self.plans]}
 
     def to_dict(self) -> Dict:
         return {"ranks": self.ranks, "num_views": self.num_views,
@@ -79,4 +86,5 @@ def build_preview(config, ranks: int, steps: int, first_step: int = 0) -> Previe
     extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
               for b in range(len(table.count))]
     return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=pixels,
-                   block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians))
+                   block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians),
+                   staleness=pipe.max_staleness, admit_overlap=pipe.admit_overlap)

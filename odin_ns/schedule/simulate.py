@@ -59,7 +59,11 @@ class Prediction:
 
 def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Costs,
                    clocks: List[float], busy: List[float]) -> List[float]:
-    """Advance every rank's clock through its list of one phase (starting at step `start`); new clocks."""
+    """Advance every rank's clock through its list of one phase (starting at step `start`); new clocks.
+
+    A `U~` (throughput-first) runs on the rank's update thread: it starts when its gradients are in and the
+    thread is free, the rank goes on rendering, and the publications listed after it leave when it is done; a
+    `W` from the rank itself waits for that thread's update."""
     ranks = sorted(actions)
     pos = {r: 0 for r in ranks}
     clock = {r: clocks[r] for r in ranks}
@@ -76,12 +80,49 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
         for a in actions[r]:
             if a.kind == "R":
                 views_at[(r, a.step)] = views_at.get((r, a.step), ()) + (a.view,)
+    lane = dict(clock)  # the update thread's clock
+    queued: Dict[int, List[Tuple[Action, float]]] = {r: [] for r in ranks}  # its work: (U~ or P, submitted at)
+    updated: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its update thread applied that step
+
+    def grads_ready(r: int, a: Action) -> Optional[float]:
+        readers = expected_grads.get((r, a.step), [])
+        if any(("G", q, r, a.step) not in sent for q in readers):
+            return None
+        return max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
+
+    def run_lane(r: int) -> bool:
+        moved = False
+        while queued[r]:
+            a, submitted = queued[r][0]
+            if a.kind == "P":
+                sent[("P", r, a.peer, a.step)] = lane[r]
+            else:
+                ready = grads_ready(r, a)
+                if ready is None:
+                    return moved
+                _, update, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
+                lane[r] = max(lane[r], ready, submitted) + update
+                busy[r] += update
+                updated[(r, a.step)] = lane[r]
+            queued[r].pop(0)
+            moved = True
+        return moved
+
     while True:
         progressed = False
         for r in ranks:
+            progressed |= run_lane(r)
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                if a.kind == "R":
+                if a.kind == "U" and a.early:
+                    queued[r].append((a, clock[r]))
+                    _, _, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
+                    clock[r] += overhead  # the render thread's own bookkeeping of the step
+                    progressed |= run_lane(r)
+                elif a.kind == "P" and queued[r]:
+                    queued[r].append((a, clock[r]))  # leaves when the update before it is done
+                    progressed |= run_lane(r)
+                elif a.kind == "R":
                     per_view = costs.at(a.step, r, views_at[(r, a.step)])[0]
                     cost = costs.render(a.view) if per_view is None else per_view
                     clock[r] += cost
@@ -89,18 +130,20 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                 elif a.kind in ("G", "P"):
                     sent[(a.kind, r, a.peer, a.step)] = clock[r]
                 elif a.kind == "W":
-                    if a.step == start:
+                    needed = a.step - 1 - a.stale  # the update whose publication the read needs
+                    if needed < start:
                         ready = phase_start
-                    elif ("P", a.peer, r, a.step - 1) in sent:
-                        ready = sent[("P", a.peer, r, a.step - 1)] + costs.latency
+                    elif a.peer == r and (r, needed) in updated:
+                        ready = updated[(r, needed)]
+                    elif a.peer != r and ("P", a.peer, r, needed) in sent:
+                        ready = sent[("P", a.peer, r, needed)] + costs.latency
                     else:
                         break
                     clock[r] = max(clock[r], ready)
                 elif a.kind == "U":
-                    readers = expected_grads.get((r, a.step), [])
-                    if any(("G", q, r, a.step) not in sent for q in readers):
+                    ready = grads_ready(r, a)
+                    if ready is None:
                         break
-                    ready = max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
                     _, update, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
                     clock[r] = max(clock[r], ready) + update + overhead
                     busy[r] += update
@@ -112,11 +155,13 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     clock[r] = max(arrivals.values()) + costs.latency
                 pos[r] += 1
                 progressed = True
-        if all(pos[r] == len(actions[r]) for r in ranks):
-            return [clock[r] + costs.phase for r in ranks]
+        if all(pos[r] == len(actions[r]) and not queued[r] for r in ranks):
+            return [max(clock[r], lane[r]) + costs.phase for r in ranks]
         if not progressed:
             stuck = [f"rank {r} at {actions[r][pos[r]]!r} (step {actions[r][pos[r]].step})"
                      for r in ranks if pos[r] < len(actions[r])]
+            stuck += [f"rank {r}'s update thread at {queued[r][0][0]!r} (step {queued[r][0][0].step})"
+                      for r in ranks if queued[r]]
             raise Deadlock("the plan deadlocks: " + "; ".join(stuck))
 
 
@@ -144,12 +189,13 @@ def parse_action(text: str, step: int) -> Action:
     if kind == "R":
         return Action("R", step, view=int(rest.lstrip("v")))
     if kind == "W":
+        text, _, stale = text.partition(" ~")
         body, _, peer = text.rpartition("<-r")
         pairs = [w.strip().split("@v") for w in body.strip().split("W ")[1:]] if body.strip() else []
         return Action("W", step, int(peer), tuple(int(b.lstrip("b")) for b, _ in pairs),
-                      tuple(int(v) for _, v in pairs))
-    if kind == "U":
-        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b))
+                      tuple(int(v) for _, v in pairs), stale=int(stale or 0))
+    if kind in ("U", "U~"):
+        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b), early=kind == "U~")
     if kind in ("G", "P"):
         blocks, _, peer = rest.rpartition("->r")
         return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b))
