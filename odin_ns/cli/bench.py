@@ -95,6 +95,12 @@ def median_run(tries: List[Dict]) -> Dict:
     return run
 
 
+def _work(summary: Dict) -> float:
+    """Mean over ranks of the seconds a rank's own thread computed (everything but its waits)."""
+    ranks = summary["per_rank"]
+    return sum(p["render_s"] + p["update_s"] + p["bookkeeping_s"] + p["loop_s"] for p in ranks) / len(ranks)
+
+
 def compare(runs: List[Dict]) -> List[Dict]:
     """DESIGN.md "Measuring": ideal = busiest rank's render + update in the barrier run on Odin's schedule;
     wait = wall - ideal; hidden = 1 - wait / wait(barrier); speed-ups over that barrier run."""
@@ -105,12 +111,14 @@ def compare(runs: List[Dict]) -> List[Dict]:
     for r in runs:
         s = r["summary"]
         wall = s["train_wall_s"]
-        # the same work renders at different speeds from run to run on a shared machine: scaled to the barrier
-        # run's compute speed (its busiest rank's render + update against this run's), a run's wall and wait are
-        # what they would have been on the barrier run's machine
-        # (defined for runs of the same work only: the same schedule)
-        same_work = r["schedule"] == barrier["schedule"] and s["no_wait_bound_s"] > 0
-        scale = ideal / s["no_wait_bound_s"] if same_work else float("nan")
+        # the same work computes at different speeds from run to run on a shared machine: scaled to the barrier
+        # run's speed (the rank's own work, render + update + bookkeeping + loop, wall minus waits, against
+        # this run's), a run's wall and wait are what they would have been on the barrier run's machine.
+        # Measured on the rank's own thread, so that throughput-first's update thread, which shares the cores
+        # here, counts as the render time it takes, not as a faster machine (defined for runs of the same work
+        # only: the same schedule)
+        same_work = r["schedule"] == barrier["schedule"] and _work(s) > 0
+        scale = _work(barrier["summary"]) / _work(s) if same_work else float("nan")
         parts = {k: sum(p[k] for p in s["per_rank"]) / s["ranks"] for k in
                  ("render_s", "update_s", "bookkeeping_s", "loop_s")}
         waits = {c: sum(p["wait_s"][c] for p in s["per_rank"]) / s["ranks"] for c in s["wait_s"]}
@@ -123,7 +131,7 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "wait_hidden": 1 - (wall - ideal) / barrier_wait if barrier_wait > 0 else float("nan"),
             "busy_s": s["no_wait_bound_s"],
             "speedup_equal_speed": barrier["summary"]["train_wall_s"] / (wall * scale) if wall else float("nan"),
-            "wait_hidden_equal_speed": (1 - (wall - s["no_wait_bound_s"]) * scale / barrier_wait
+            "wait_hidden_equal_speed": (1 - (wall * scale - ideal) / barrier_wait
                                         if barrier_wait > 0 else float("nan")),
             "per_rank_mean_s": {**parts, **{f"wait_{c}_s": w for c, w in waits.items()}},
             "bytes_per_step": s["bytes_per_step"], "psnr": r.get("psnr"),
@@ -156,8 +164,8 @@ def print_table(rows: List[Dict], title: str) -> None:
     Console(width=200).print(table)
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
           "busiest rank's render + update in the barrier run on Odin's schedule. 'At equal speed': speed-up and "
-          "wait hidden with each run's wall scaled by how much faster or slower the same work computed in it "
-          "than in that barrier run (a shared machine's speed drifts between runs). 'stale/refused': block reads "
+          "wait hidden with each run's wall scaled by how much faster or slower the ranks' own work (wall minus "
+          "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs). 'stale/refused': block reads "
           "admitted behind the newest version, and refused (waited for).")
 
 
