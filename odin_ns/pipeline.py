@@ -14,7 +14,6 @@ import torch
 from torch.cuda.amp.grad_scaler import GradScaler
 
 from nerfstudio.pipelines.base_pipeline import Pipeline, VanillaPipeline, VanillaPipelineConfig
-from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.datamanager import OdinDataManagerConfig
 from odin_ns.errors import OdinInputError
