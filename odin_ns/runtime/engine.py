@@ -73,14 +73,12 @@ class OdinEngine:
         self.staleness = max_staleness if policy == "throughput" and env.distributed else 0
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
-        self.applied = -1  # the last step whose update this rank's blocks have received
-        self.pending: Dict[int, Tuple[List[torch.Tensor], List[List[int]]]] = {}  # step -> contributions, blocks
-        self.own_current: Dict[int, bool] = {}  # step -> does the rank's read of its own blocks see every update
+        self.own_current = True  # does this step's read of the rank's own blocks see every update
         self.own_rows: torch.Tensor | None = None  # the owned rows this step renders (throughput-first)
         self.own_version = -1  # the update those rows are the result of
         self.worker: UpdateWorker | None = None
         if self.staleness:  # owner updates beside the render (see runtime.update_worker)
-            self.worker = UpdateWorker(self._update_in_background, self._owned_rows)
+            self.worker = UpdateWorker(self._update_step, self._owned_rows)
         self.save_every = 0  # the trainer's checkpoint interval: a checkpoint step ends its phase
         self.block_cut = block_cut
         self.policy = policy
@@ -265,15 +263,14 @@ class OdinEngine:
                          staleness=self.staleness, admit_overlap=self.admit_overlap, counts=table.count.tolist())
 
     def _begin_phase(self, step: int, optimizers) -> None:
-        if self.pending:
-            raise RuntimeError(f"updates of steps {sorted(self.pending)} were not applied at the phase boundary")
-        self.applied = self.own_version = step - 1
+        self.own_version = step - 1
         self.plan = self._plan_phase(step, optimizers)
+        rows = self._owned_rows()
         if self.worker is not None:
-            self.worker.begin(step - 1)
+            self.worker.begin(step - 1, rows)
         self.plans_made += 1
         self.runner.envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
-        self.runner.begin(self.plan, self.table, self._owned_rows())
+        self.runner.begin(self.plan, self.table, rows)
 
     def _end_phase(self, step: int, optimizers) -> None:
         """A global synchronization point: every send taken, the table synced, then any structural change."""
@@ -314,37 +311,18 @@ class OdinEngine:
                 self._begin_phase(step, optimizers)
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
-        self._validate_own(step, optimizers)
+        if self.worker is not None:  # the exact policies have applied every update by now
+            self._choose_own_version(step)
         if self.env.distributed:
             self.runner.validate(step)
         return views
 
-    def _validate_own(self, step: int, optimizers) -> None:
-        """The rank's reads of its own blocks: apply the pending updates until the read is current or admitted
-        behind (throughput-first; the exact policies have applied every update by now)."""
-        plan, runner, me = self.plan, self.runner, self.env.rank
-        blocks = plan.publish_blocks(step, me, me)
-        at = torch.tensor(blocks, dtype=torch.int64)
-        tested = False
-        if self.worker is not None:
-            self._choose_own_version(step, blocks, at)
-            return
-        while self.applied < step - 1:
-            if plan.schedule_admits(step, me, me, step - 1 - self.applied):
-                tested = True
-                if runner.admits(step, me, me, self.applied, runner.rel_hist[self.applied][at]):
-                    break
-            self._apply_next_update(optimizers)
-        self.own_current[step] = self.applied == step - 1
-        self.own_rows = None
-        if not self.staleness:
-            return
-        runner.note_read(step, me, blocks, step - 1 - self.applied, tested, runner.rel_hist[self.applied][at])
-
-    def _choose_own_version(self, step: int, blocks: List[int], at: torch.Tensor) -> None:
+    def _choose_own_version(self, step: int) -> None:
         """Throughput-first: the version of its own blocks the rank renders at `step`, decided as a reader decides
         (from the plan and the evidence, never from how far the update thread has got), and its rows."""
         plan, runner, me = self.plan, self.runner, self.env.rank
+        blocks = plan.publish_blocks(step, me, me)
+        at = torch.tensor(blocks, dtype=torch.int64)
         p, tested = self.own_version, False
         with self.log.waiting("validate"):
             while p < step - 1:
@@ -356,24 +334,16 @@ class OdinEngine:
                 p += 1
             self.own_rows = self.worker.rows(p)
         self.own_version = p
-        self.own_current[step] = p == step - 1
+        self.own_current = p == step - 1
         runner.note_read(step, me, blocks, step - 1 - p, tested, runner.rel_hist[p][at])
 
-    def _update_in_background(self, step: int, mine, view_ids, optimizers) -> torch.Tensor | None:
+    def _update_step(self, step: int, mine, view_ids, optimizers) -> torch.Tensor | None:
+        """The owners' update of `step`, then its learning-rate step; the packed rows it published (on the update
+        thread: the copy the render thread may read)."""
         rows = self._update_owners(step, mine, view_ids, optimizers)
         optimizers.scheduler_step_all(step)
         self.runner.forget_step(step)
-        return rows  # the packed rows it published: the copy the render thread may read
-
-    def _apply_next_update(self, optimizers) -> None:
-        """The owners' update of the oldest step not applied yet, then its learning-rate step."""
-        u = self.applied + 1
-        mine, view_ids = self.pending.pop(u)
-        self._update_owners(u, mine, view_ids, optimizers)
-        optimizers.scheduler_step_all(u)
-        self.runner.forget_step(u)
-        self.own_current.pop(u, None)
-        self.applied = u
+        return rows
 
     def render(self, step: int, views: Sequence[int]):
         """Render each view from its read set (owned blocks and replicas) and back-propagate into per-view leaves;
@@ -382,8 +352,7 @@ class OdinEngine:
         record = self.log.current
         owned_rows = self.own_rows if self.own_rows is not None else self._owned_rows()
         self.own_rows = None
-        own_current = self.own_current.get(step, True)
-        view_ids = [runner.view_blocks(step, j, own_current) for j in range(len(views))]
+        view_ids = [runner.view_blocks(step, j, self.own_current) for j in range(len(views))]
         record.gaussians_replicated = runner.num_replicated()
         record.blocks_read = len({b for ids in view_ids for b in ids})
         mine: List[torch.Tensor] = []
@@ -419,11 +388,8 @@ class OdinEngine:
             if step + 1 == plan.stop:
                 with self.log.waiting("phase"):
                     self.worker.wait(step)
-                self.applied = step
         else:
-            self.pending[step] = (list(mine), list(view_ids))
-            while self.applied < step:
-                self._apply_next_update(optimizers)
+            self._update_step(step, mine, view_ids, optimizers)
         if self.policy == "barrier" and self.env.distributed:
             with self.log.waiting("barrier"):
                 dist.barrier()
@@ -464,7 +430,7 @@ class OdinEngine:
             for j, view in enumerate(views):
                 seen = set(self.plan.view_reads(step, q)[j])
                 if q == self.env.rank:
-                    seen |= set(self.runner.view_blocks(step, j, self.own_current.get(step, True)))
+                    seen |= set(self.runner.view_blocks(step, j, self.own_current))
                 seen |= {b for jj, b in extras.get(q, []) if jj == j}
                 outside = sorted(set(ranges) - seen)
                 if not outside:

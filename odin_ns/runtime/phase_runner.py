@@ -150,12 +150,14 @@ class PhaseRunner:
             self.rel_now = torch.full((B,), math.inf, dtype=torch.float64)
             self._structural = False
         self.rel_hist = {plan.start - 1: self.rel_now.clone()}
-        # per owned block (ascending id): the squared norm of its packed parameters, the evidence's denominator
-        owned = sorted(self.ranges)
-        sizes = torch.tensor([self.ranges[b][1] - self.ranges[b][0] for b in owned], dtype=torch.int64)
-        self.norm_sq = torch.zeros(len(owned), dtype=torch.float64).index_add_(
-            0, torch.repeat_interleave(torch.arange(len(owned)), sizes),
-            owned_rows.double().pow(2).sum(dim=1).cpu()) if owned else torch.zeros(0, dtype=torch.float64)
+        # per owned block (ascending id) and per owned row its block's position; throughput-first: per owned block
+        # the squared norm of its packed parameters, the evidence's denominator
+        self._owned_ids = torch.tensor(sorted(self.ranges), dtype=torch.int64)
+        sizes = torch.tensor([self.ranges[b][1] - self.ranges[b][0] for b in sorted(self.ranges)], dtype=torch.int64)
+        self._row_block = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        self.norm_sq = torch.zeros(len(sizes), dtype=torch.float64)
+        if plan.staleness:
+            self.norm_sq.index_add_(0, self._row_block, owned_rows.double().pow(2).sum(dim=1).cpu())
         self.rel_seen = torch.full((B,), math.inf, dtype=torch.float64)
         # nothing of this phase taken yet: the phase-start publication (the state at the boundary) is update
         # start-1 of every owner
@@ -386,14 +388,10 @@ class PhaseRunner:
             self.dirty |= changed[None]
             self.dirty[self.env.rank] = False
         if delta_sq is not None and self.ranges:
-            owned = sorted(self.ranges)
-            sizes = torch.tensor([self.ranges[b][1] - self.ranges[b][0] for b in owned])
-            block_of = torch.repeat_interleave(torch.arange(len(owned)), sizes)
-            d = torch.zeros(len(owned), dtype=torch.float64).index_add_(0, block_of, delta_sq.double().cpu())
-            n = self.norm_sq
+            d = torch.zeros(len(self._owned_ids), dtype=torch.float64).index_add_(0, self._row_block,
+                                                                                 delta_sq.double().cpu())
             hit = d > 0
-            at = torch.tensor(owned, dtype=torch.int64)
-            self.rel_now[at[hit]] = torch.sqrt(d[hit] / n[hit].clamp_min(1e-30))
+            self.rel_now[self._owned_ids[hit]] = torch.sqrt(d[hit] / self.norm_sq[hit].clamp_min(1e-30))
         self.rel_hist[update] = self.rel_now.clone()
         self.note_skipped(self.env.rank, update, self.rel_now)
 

@@ -37,11 +37,11 @@ class UpdateWorker:
         self._thread = threading.Thread(target=self._run, name="odin-updates", daemon=True)
         self._thread.start()
 
-    def begin(self, applied: int) -> None:
-        """A phase starts with every update up to `applied` in (the thread is idle)."""
+    def begin(self, applied: int, rows: torch.Tensor) -> None:
+        """A phase starts with every update up to `applied` in (the thread is idle) and these owned rows."""
         with self._done:
             self.applied = applied
-            self.snapshots = {applied: self._rows()}
+            self.snapshots = {applied: rows}
 
     def submit(self, step: int, *args) -> None:
         self._raise()
