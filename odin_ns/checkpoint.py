@@ -62,6 +62,7 @@ def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
         "optimizers": optimizers,
         "schedulers": {k: v.state_dict() for k, v in trainer.optimizers.schedulers.items()},
         "scalers": trainer.grad_scaler.state_dict(),
+        "odin": {"scene": scene_identity(trainer)},
     }, path)
     if trainer.config.save_only_latest_checkpoint:
         for old in trainer.checkpoint_dir.glob("*.ckpt"):
@@ -70,22 +71,81 @@ def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
     return path
 
 
-def checkpoint_to_load(config) -> Path | None:
-    """The checkpoint `--load-dir` (latest step, or `--load-step`) or `--load-checkpoint` names, as nerfstudio."""
+def scene_identity(trainer) -> Dict:
+    """What the checkpoint was trained on, saved beside nerfstudio's keys (its tools ignore extra keys), so that a
+    resume on another scene is refused instead of training one scene's Gaussians on another's photos."""
+    dataparser = trainer.config.pipeline.datamanager.dataparser
+    data = getattr(dataparser, "data", None) or trainer.config.pipeline.datamanager.data
+    return {"dataparser": type(dataparser).__name__,
+            "data": str(Path(data).resolve()) if data and str(data) not in ("", ".") else "",
+            "train_views": len(trainer.pipeline.datamanager.train_dataset)}
+
+
+def _describe(scene: Dict) -> str:
+    where = scene["data"] or "the built-in city"
+    return f"{where} ({scene['dataparser']}, {scene['train_views']} training views)"
+
+
+def check_same_scene(path: Path, saved: Dict | None, current: Dict) -> None:
+    """A checkpoint of another scene (other data, parser or views) ends in one line; a foreign checkpoint
+    without the record (plain splatfacto) is taken as it is."""
+    from odin_ns.errors import OdinInputError
+
+    if saved is not None and saved != current:
+        raise OdinInputError(f"checkpoint {path} was trained on {_describe(saved)}, but this run trains on "
+                             f"{_describe(current)} (give the --data the checkpoint was trained on, or leave "
+                             "--load-dir out to start afresh)")
+
+
+def _step_of(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
+def _read(path: Path):
+    """The checkpoint's contents, or None when the file is truncated or not a checkpoint at all."""
+    try:
+        return torch.load(path, map_location="cpu")
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:  # torch's zip reader: RuntimeError
+        return exc
+
+
+def load_checkpoint_state(config, say=print):
+    """(path, contents) of the checkpoint `--load-dir` (latest step, or `--load-step`) or `--load-checkpoint`
+    names, as nerfstudio picks it, or None when none is asked for.
+
+    A newest checkpoint that cannot be read (a run killed mid-save on a file system without atomic renames, a copy
+    cut short) is named, and the newest complete one beside it is resumed from with a notice (`--load-dir`
+    without a step) or offered (an explicit step or file)."""
     from odin_ns.errors import OdinInputError
 
     if config.load_dir is not None:
         folder = Path(config.load_dir)
-        steps = sorted(int(p.stem.split("-")[1]) for p in folder.glob("step-*.ckpt")) if folder.is_dir() else []
-        if not steps:
+        found = sorted(folder.glob("step-*.ckpt"), key=_step_of) if folder.is_dir() else []
+        if not found:
             raise OdinInputError(f"no checkpoint (step-*.ckpt) in --load-dir {folder}")
-        step = config.load_step if config.load_step is not None else steps[-1]
-        path = folder / f"step-{step:09d}.ckpt"
+        if config.load_step is None:
+            for newest in reversed(found):
+                state = _read(newest)
+                if not isinstance(state, Exception):
+                    if newest != found[-1]:
+                        say(f"odin: notice: resuming from {newest.name}, the newest complete checkpoint in "
+                            f"{folder}: {', '.join(p.name for p in found if _step_of(p) > _step_of(newest))} "
+                            "cannot be read (truncated or corrupt)")
+                    return newest, state
+            raise OdinInputError(f"no checkpoint in --load-dir {folder} can be read (all {len(found)} are truncated "
+                                 f"or corrupt; the newest is {found[-1].name})")
+        path = folder / f"step-{config.load_step:09d}.ckpt"
     elif config.load_checkpoint is not None:
         path = Path(config.load_checkpoint)
+        folder, found = path.parent, sorted(path.parent.glob("step-*.ckpt"), key=_step_of)
     else:
         return None
     if not path.exists():
         raise OdinInputError(f"checkpoint {path} does not exist")
-    return path
-
+    state = _read(path)
+    if isinstance(state, Exception):
+        others = [p for p in reversed(found) if p != path and not isinstance(_read(p), Exception)]
+        offer = (f"; the newest complete checkpoint beside it is {others[0]} (--load-step {_step_of(others[0])})"
+                 if others else "; no complete checkpoint is beside it")
+        raise OdinInputError(f"checkpoint {path} cannot be read (truncated or corrupt){offer}")
+    return path, state

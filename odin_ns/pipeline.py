@@ -67,11 +67,24 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
 
     def __post_init__(self) -> None:
-        check_admission(self)  # when the flags are parsed: before any rank starts or anything is written
+        check_options(self)  # when the flags are parsed: before any rank starts or anything is written
 
 
-def check_admission(config: OdinPipelineConfig) -> None:
-    """The throughput-first options in range, or one line that says which is not."""
+def check_options(config: OdinPipelineConfig) -> None:
+    """Odin's options in range, or one line that says which is not (and what it means)."""
+    if config.block_size < 1:
+        raise OdinInputError(f"--pipeline.block-size is the most Gaussians per block and must be at least 1 "
+                             f"(got {config.block_size}; the default is 512)")
+    if config.micro_batch < 1:
+        raise OdinInputError(f"--pipeline.micro-batch is the views per rank per step and must be at least 1 "
+                             f"(got {config.micro_batch})")
+    if config.phase_length < 1:
+        raise OdinInputError(f"--pipeline.phase-length must be at least 1 step (got {config.phase_length})")
+    if not config.dist_timeout_s > 0:
+        raise OdinInputError(f"--pipeline.dist-timeout-s must be more than 0 seconds (got {config.dist_timeout_s})")
+    if config.viewer_refresh_every < 1:
+        raise OdinInputError(f"--pipeline.viewer-refresh-every must be at least 1 step "
+                             f"(got {config.viewer_refresh_every})")
     if config.max_staleness < 0:
         raise OdinInputError(f"--pipeline.max-staleness must be 0 or more (got {config.max_staleness})")
     if not 0.0 <= config.admit_overlap <= 1.0:

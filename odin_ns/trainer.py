@@ -8,12 +8,12 @@ deep inside the model.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Type
 
 import torch
-import torch.distributed as dist
 
 from nerfstudio.engine.callbacks import TrainingCallbackLocation
 from nerfstudio.engine.trainer import Trainer, TrainerConfig
@@ -21,11 +21,12 @@ from nerfstudio.utils import writer
 from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from odin_ns.checkpoint import checkpoint_to_load, write_full_checkpoint
+from odin_ns.checkpoint import check_same_scene, load_checkpoint_state, scene_identity, write_full_checkpoint
 from odin_ns.errors import OdinInputError
 from odin_ns.pipeline import OdinPipeline
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.stats_file import write_stats
+from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
 
 
 def default_device_type() -> str:
@@ -73,16 +74,21 @@ class OdinTrainer(Trainer):
                 torch.cuda.set_device(local_rank)  # collectives of Python objects use the current device
         super().__init__(config, local_rank, world_size)
         self.env = env
+        self.stop_request = StopRequest(env.rank)
+        self._stopped_at: int | None = None  # the step after which every rank agreed to stop (Ctrl+C)
 
     @property
     def engine(self):
         return self.pipeline.engine
 
     def train(self) -> None:
-        if self.env.distributed:
-            # ranks start the first step together: set-up skew (one rank still caching its images) is not a
-            # wait of training, and would otherwise land in the first phase boundary of whichever policy runs first
-            dist.barrier()
+        self.stop_request.install()
+        # ranks start the first step together: set-up skew (one rank still caching its images) is not a wait of
+        # training, and would otherwise land in the first phase boundary of whichever policy runs first. The
+        # all-reduce of a stop request is that barrier (a Ctrl+C during set-up ends the job here)
+        if self.stop_request.agreed(self.env.distributed, self.engine.device):
+            self._say("odin: stopped before the first step (Ctrl+C): nothing trained, no checkpoint written")
+            raise SystemExit(EXIT_INTERRUPTED)
         self._started = time.perf_counter()
         self.engine.end_step = self._start_step + self.config.max_num_iterations
         self.engine.save_every = self.config.steps_per_save
@@ -90,7 +96,10 @@ class OdinTrainer(Trainer):
 
     def _after_train(self) -> None:
         """nerfstudio's end of training, with the collective parts (checkpoint, stats) before rank 0 may block in
-        the viewer's "training complete" loop."""
+        the viewer's "training complete" loop; after an agreed Ctrl+C stop, the same without the viewer, then
+        exit 130."""
+        if self._stopped_at is not None:
+            self._after_stop(self._stopped_at)
         self.training_state = "completed"
         self.engine.log.close()  # the last step ends here, before the final checkpoint's gather
         self.save_checkpoint(self.step)
@@ -105,6 +114,28 @@ class OdinTrainer(Trainer):
         if not self.config.viewer.quit_on_train_completion:
             self._train_complete_viewer()
 
+    def _after_stop(self, step: int) -> None:
+        self.step = step  # nerfstudio's loop has moved on to the step it did not run
+        self.training_state = "completed"
+        self.engine.log.close()
+        self.save_checkpoint(step)
+        writer.write_out_storage()
+        self.write_stats()
+        self._say(f"odin: stopped after step {step} (Ctrl+C): checkpoint {self.checkpoint_dir}/step-{step:09d}.ckpt "
+                  f"(resume: the same command with --load-dir {self.checkpoint_dir})")
+        raise SystemExit(EXIT_INTERRUPTED)
+
+    def _say(self, line: str) -> None:
+        """One line on stderr for the job (rank 0's)."""
+        if self.env.rank == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    def _stop_agreed(self, step: int) -> bool:
+        """At a phase end (a global synchronization point: the ranks agree on a stop there), or every step alone."""
+        if self.env.distributed and self.engine.plan is not None:
+            return False
+        return self.stop_request.agreed(self.env.distributed, self.engine.device)
+
     def write_stats(self):
         """odin_stats.json beside the run's outputs (every rank takes part; rank 0 writes)."""
         meta = {"method": self.config.method_name, "policy": self.config.pipeline.policy,
@@ -116,6 +147,8 @@ class OdinTrainer(Trainer):
         # no zero_grad_all: the Gaussians never get autograd gradients (views render copies), the owners' update
         # sets each one's gradient itself, and a throughput-first update may be running on its thread right now
         loss, loss_dict, metrics_dict = self.pipeline.train_step(step, self.optimizers)
+        if self._stop_agreed(step):
+            self._stopped_at, self.stop_training = step, True  # nerfstudio's loop ends before the next step
         refresh = self.config.pipeline.viewer_refresh_every
         if self.env.distributed and self.config.is_viewer_enabled() and step % refresh == 0:
             snapshot = self.engine.gather_full()  # what rank 0's viewer shows until the next refresh
@@ -141,11 +174,12 @@ class OdinTrainer(Trainer):
     def _load_checkpoint(self) -> None:
         """nerfstudio's `--load-dir` / `--load-checkpoint`, for a checkpoint of the whole model on any rank count:
         every rank loads it, then the engine re-shards the Gaussians and their Adam moments."""
-        path = checkpoint_to_load(self.config)
-        if path is None:
+        found = load_checkpoint_state(self.config, say=self._say)
+        if found is None:
             CONSOLE.print("No Nerfstudio checkpoint to load, so training from scratch.")
             return
-        state = torch.load(path, map_location="cpu")
+        path, state = found
+        check_same_scene(path, state.get("odin", {}).get("scene"), scene_identity(self))
         self._start_step = state["step"] + 1
         self.pipeline.load_pipeline(state["pipeline"], state["step"])
         gaussian_groups = {}

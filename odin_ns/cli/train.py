@@ -6,7 +6,13 @@
 Everything after the method name is an `ns-train` argument. torchrun's own flags given before the method
 (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, `--rdzv-backend`, `--rdzv-id`, `--master-addr`,
 `--master-port`, `--max-restarts`, ...) are passed through. CPU ranks talk over gloo, CUDA ranks over NCCL.
-When a rank fails, torchrun stops the others within seconds and this launcher names the failed rank.
+When a rank fails, torchrun stops the others within seconds and this launcher names the failed rank; a user's
+mistake (bad data, bad flags) ends in one `odin: error:` line however many ranks saw it (`launcher_output`).
+
+Ctrl+C: the first asks every rank to stop at the next synchronization point (the end of the current phase, a few
+steps); rank 0 writes a checkpoint and says where, and the launcher exits 130. A second Ctrl+C stops at once.
+torchrun runs in a session of its own so that the terminal's Ctrl+C reaches the launcher alone (torchrun would
+otherwise tear the ranks down before they can save), and dies with the launcher (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -14,13 +20,21 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from datetime import datetime
+from pathlib import Path
 from typing import List, Optional, Tuple
 
+from odin_ns.cli.launcher_output import StderrFilter
+from odin_ns.runtime.dist_env import die_with_parent
+from odin_ns.runtime.stop_request import STOP_FILE_ENV
+
 METHODS = ("odin", "odin-throughput", "odin-barrier")
+QUIET_WARNINGS = "ignore:`torch.cuda.amp.:FutureWarning"
 
 
 def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
@@ -31,8 +45,20 @@ def split_args(argv: List[str]) -> Tuple[List[str], List[str]]:
     return argv, []
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors in the one-line form of every odin error (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"odin: error: {message} (odin-train --help)\n")
+
+
+def error(message: str) -> int:
+    print(f"odin: error: {message}", file=sys.stderr)
+    return 2
+
+
 def parse_launcher(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="odin-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="odin-train [--ranks N] [torchrun flags] {odin,odin-throughput,odin-barrier} [ns-train args]")
     parser.add_argument("--ranks", type=int, default=None,
@@ -89,39 +115,83 @@ def failed_rank(log_tail: str) -> Optional[str]:
     return match.group(1) if match else None
 
 
+class Interrupts:
+    """The launcher's Ctrl+C: the first asks the ranks to stop (the stop file they look for at every phase end),
+    the second kills torchrun, and the ranks with it."""
+
+    def __init__(self, stop_file: Path):
+        self.stop_file = stop_file
+        self.count = 0
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __call__(self, signum, frame):  # noqa: ARG002 (signal handler signature)
+        self.count += 1
+        if self.count == 1:
+            self.stop_file.touch()
+            print("odin: Ctrl+C: every rank stops at the end of its current phase and rank 0 writes a checkpoint "
+                  "(Ctrl+C again stops at once, without one)", file=sys.stderr, flush=True)
+        elif self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # the ranks get SIGTERM from their parent's death and exit at once
+
+    def forward_term(self, signum, frame):  # noqa: ARG002
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # torchrun stops its ranks on SIGTERM
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     launcher_args, training = split_args(argv)
     known, torchrun_args = parse_launcher(launcher_args)
     if not training:
-        print(f"odin-train: error: name a method ({', '.join(METHODS)}) followed by ns-train arguments",
-              file=sys.stderr)
-        return 2
+        return error(f"name a method ({', '.join(METHODS)}) followed by ns-train arguments")
     ranks = known.ranks if known.ranks is not None else default_ranks()
     if ranks < 1:
-        print(f"odin-train: error: --ranks must be at least 1 (got {ranks})", file=sys.stderr)
-        return 2
+        return error(f"--ranks must be at least 1 (got {ranks})")
     port = _flag_value(torchrun_args, "--master-port")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        return error(f"--master-port must be a port number (got {port!r})")
     if port is not None and not port_free(int(port)):
-        print(f"odin-train: error: port {port} is in use (choose another --master-port, or leave it out to get a "
-              "free one)", file=sys.stderr)
-        return 2
+        return error(f"port {port} is in use (choose another --master-port, or leave it out to get a free one)")
     env = dict(os.environ)
     env.setdefault("ODIN_TIMESTAMP", datetime.now().strftime("%Y-%m-%d_%H%M%S"))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    # nerfstudio's deprecated torch.cuda.amp calls warn on import, twice per rank: noise in front of every message
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), QUIET_WARNINGS]))
+    stop_file = Path(tempfile.gettempdir()) / f"odin-stop-{os.getpid()}"
+    stop_file.unlink(missing_ok=True)
+    env[STOP_FILE_ENV] = str(stop_file)
+    interrupts = Interrupts(stop_file)
     cmd = build_command(ranks, torchrun_args, training)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    tail: List[str] = []
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        tail.append(line)
-        del tail[:-200]
-    code = proc.wait()
+    previous = (signal.signal(signal.SIGINT, interrupts), signal.signal(signal.SIGTERM, interrupts.forward_term))
+    try:
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=die_with_parent)
+        interrupts.proc = proc
+        output = StderrFilter(sys.stderr)
+        assert proc.stderr is not None
+        tail: List[str] = []
+        for line in proc.stderr:
+            output.feed(line)
+            tail.append(line)
+            del tail[:-200]
+        code = proc.wait()
+        output.finish()
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        stop_file.unlink(missing_ok=True)
+    if output.stopped:
+        return 130
+    if interrupts.count > 1:
+        print("odin: error: stopped at once by a second Ctrl+C; the last complete checkpoint, if any, is in the "
+              "run's nerfstudio_models/ folder", file=sys.stderr)
+        return 130
+    if output.errors:
+        return 1
     if code != 0:
         rank = failed_rank("".join(tail))
         who = f"rank {rank} failed" if rank is not None else "a rank failed"
-        print(f"odin-train: error: {who} (exit {code}); every rank has been stopped. The last complete "
+        print(f"odin: error: {who} (exit {code}); every rank has been stopped. The last complete "
               "checkpoint, if any, is in the run's nerfstudio_models/ folder.", file=sys.stderr)
     return code
 

@@ -25,13 +25,23 @@ from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.trainer import OdinTrainerConfig, check_device
 
 
+def parse(args: List[str], first_rank: bool):
+    """ns-train's parsing; tyro's usage message is printed once (by rank 0), then one `odin: error:` line that the
+    launcher recognises as the user's mistake (and so keeps torchrun's failure report to itself)."""
+    try:
+        if first_rank:
+            return tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+        with contextlib.redirect_stderr(io.StringIO()):
+            return tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+    except SystemExit as exc:
+        if exc.code not in (0, None) and not isinstance(exc, OdinInputError):
+            raise SystemExit("odin: error: the arguments above are not valid (odin-train METHOD --help lists them)")
+        raise
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if int(os.environ.get("RANK", "0")) != 0:
-        with contextlib.redirect_stderr(io.StringIO()):  # a usage error is printed once, by rank 0
-            config = tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
-    else:
-        config = tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+    config = parse(args, first_rank=int(os.environ.get("RANK", "0")) == 0)
     if not isinstance(config, OdinTrainerConfig):
         raise OdinInputError(f"method {config.method_name!r} is not an odin method: use odin, odin-throughput "
                              "or odin-barrier (other nerfstudio methods train with ns-train)")

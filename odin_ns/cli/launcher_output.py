@@ -1,0 +1,64 @@
+"""What of the ranks' and torchrun's stderr reaches the person who ran `odin-train`.
+
+Every rank checks the same input, so a user's mistake reaches stderr once per rank, and torchrun then adds its own
+report of the "failure" (a traceback of its own and a ChildFailedError summary, hundreds of lines). A user's mistake
+is one `odin: error:` line, so the launcher prints each distinct such line once and, when the job ended in one (or
+in a clean Ctrl+C stop), drops torchrun's report and the ranks' "stopped by the launcher" notices. A real crash
+keeps everything: the failing rank's traceback and torchrun's summary, which names the rank.
+Written by hand: torchrun has no option to keep its failure report to itself.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, TextIO
+
+USER_ERROR = "odin: error:"
+STOPPED = "odin: stopped"
+# torchrun's own log lines (its logger's prefix names the module) and the ranks' notices when it tears them down
+TORCHRUN_LOG = re.compile(r"torch[/.]distributed[/.](elastic|run)|^odin: rank \d+: stopped by the launcher")
+TRACEBACK = "Traceback (most recent call last)"
+
+
+class StderrFilter:
+    """Feed it the merged stderr line by line; `finish` says what the job's end means for what was held back."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.errors: List[str] = []
+        self.stopped = False
+        self.held: List[str] = []
+        self.holding = False  # from the first traceback on, lines wait for the end (they may be torchrun's report)
+
+    def feed(self, line: str) -> None:
+        if line.startswith(USER_ERROR):
+            if line not in self.errors:
+                self.errors.append(line)
+                self._write(line)
+            return
+        if line.startswith(STOPPED):
+            self.stopped = True
+            self._write(line)
+            return
+        if line.startswith(TRACEBACK):
+            self.holding = True
+        if self.holding or TORCHRUN_LOG.search(line):
+            self.held.append(line)
+            return
+        self._write(line)
+
+    @property
+    def quiet_end(self) -> bool:
+        """The job ended the way a user expects (their mistake, said in one line, or a clean stop)."""
+        return bool(self.errors) or self.stopped
+
+    def finish(self) -> None:
+        """Everything held back is written, unless the job ended quietly (then it is torchrun's noise)."""
+        if not self.quiet_end:
+            for line in self.held:
+                self._write(line)
+        self.held = []
+
+    def _write(self, line: str) -> None:
+        self.out.write(line)
+        self.out.flush()
