@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.odin-installed
 DEMO_ARGS ?=
 
-.PHONY: install demo test bench clean-venv system-deps
+.PHONY: install demo test bench gpu-check clean-venv system-deps
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The CUDA path (odin_ns/cli/gpu_check.py): the cuda-marked tests, then a short odin-bench on the GPUs. Without
+# CUDA it says so in one line and succeeds.
+gpu-check: $(STAMP)
+	$(PY) -m odin_ns.cli.gpu_check
 
 bench: $(STAMP)
 	$(VENV)/bin/odin-bench

@@ -335,6 +335,7 @@ def test_nerfstudio_config_and_optimizers_wrapper():
     assert o.param_groups[0]["lr"] < 1e-2  # the scheduler drives SelectiveAdam like Adam
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_kernel_matches_pytorch_path():
     pytest.importorskip("gsplat.cuda._wrapper").__dict__.get("adam") or pytest.skip("gsplat < 1.5")

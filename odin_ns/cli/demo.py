@@ -1,72 +1,174 @@
-"""`odin-demo`: train `odin` on the built-in city scene, then report the held-out PSNR and where it all went.
+"""`odin-demo`: Odin on 2 real ranks on the built-in city, then what it gives: held-out PSNR, a held-out view beside
+its ground truth, the three policies side by side with a per-rank timeline, and the commands that open the result.
 
-It is `ns-train odin` with a short schedule fit for a CPU (every option still overridable, e.g.
-`odin-demo --max-num-iterations 500`), followed by nerfstudio's own evaluation over all held-out views.
+    odin-demo                                   # what `make demo` runs: a few minutes on 2 CPU cores
+    odin-demo --ranks 3 --max-num-iterations 500 --compare-steps 0
+
+Every argument the demo does not know is an `ns-train odin` argument (given after the demo's short CPU schedule,
+so it wins); a data parser sub-command with its options (`odin-city --width 64 ...`) replaces the demo's city.
+The training runs through `odin-train` (torchrun, gloo or NCCL ranks), the evaluation is nerfstudio's own
+(`eval_setup`, the average over every held-out view, as `ns-eval`), the comparison is `odin-bench`'s.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
 import time
-from typing import List, Optional
+from pathlib import Path
+from typing import Dict, List, Optional
 
-import tyro
+from odin_ns.cli import bench, bench_figures
+from odin_ns.cli.train import OneLineParser
 
-from method_configs.odin_methods import make_trainer_config
-from nerfstudio.utils.rich_utils import CONSOLE
-from odin_ns.trainer import OdinTrainerConfig
+# the short schedule sized for the built-in scene on a CPU (splatfacto's own is 30000 steps): the length of the
+# training, then the model's schedule (also that of the comparison's runs)
+STEPS = ["--max-num-iterations", "1500", "--steps-per-save", "1000", "--steps-per-eval-image", "100000",
+         "--steps-per-eval-all-images", "100000", "--steps-per-eval-batch", "0", "--vis", "tensorboard"]
+MODEL = [
+    "--pipeline.model.num-downscales", "1", "--pipeline.model.resolution-schedule", "500",
+    "--pipeline.model.warmup-length", "200", "--pipeline.model.refine-every", "100",
+    "--pipeline.model.reset-alpha-every", "10", "--pipeline.model.stop-split-at", "1200",
+    "--pipeline.model.sh-degree-interval", "400",
+    # screen-size splitting: 5% of a 128-pixel image is 6 pixels, far too eager
+    "--pipeline.model.stop-screen-size-at", "0",
+    "--optimizers.means.scheduler.max-steps", "1500",
+]
+# a denser street capture than the parser's default, so that every held-out view has close neighbours
+CITY = ["odin-city", "--num-street-cameras", "100"]
+DATAPARSERS = ("odin-city", "odin-data", "instant-ngp-data", "nerfstudio-data", "colmap", "blender-data")
+COMPARED = [("barrier", "odin-barrier"), ("odin", "odin"), ("odin-throughput", "odin-throughput")]
 
 
-def demo_config() -> OdinTrainerConfig:
-    """`odin` with a schedule sized for the built-in scene on a CPU: a couple of minutes on two cores."""
-    config = make_trainer_config("quality")
-    config.experiment_name = "odin-demo"
-    config.vis = "tensorboard"
-    config.max_num_iterations = 1500
-    config.steps_per_save = 1000
-    config.steps_per_eval_image = 500
-    config.steps_per_eval_all_images = 100000
-    model = config.pipeline.model
-    model.num_downscales = 1
-    model.resolution_schedule = 500
-    model.warmup_length = 200
-    model.refine_every = 100
-    model.reset_alpha_every = 10
-    model.stop_split_at = 1200
-    model.sh_degree_interval = 400
-    model.stop_screen_size_at = 0  # screen-size splitting: 5% of a 128-pixel image is 6 pixels, far too eager
-    # a denser street capture than the parser's default, so that every held-out view has close neighbours
-    config.pipeline.datamanager.dataparser.city.num_street_cameras = 100
-    config.optimizers["means"]["scheduler"].max_steps = config.max_num_iterations
-    return config
+def parse(argv: List[str]):
+    ap = OneLineParser(prog="odin-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2, help="ranks of the training (real processes)")
+    ap.add_argument("--compare-steps", type=int, default=150,
+                    help="steps of each policy's run in the side-by-side comparison (0: no comparison)")
+    ap.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where the runs go")
+    known, rest = ap.parse_known_args(argv)
+    if known.ranks < 1:
+        ap.error(f"--ranks must be at least 1 (got {known.ranks})")
+    if known.compare_steps < 0:
+        ap.error(f"--compare-steps must be 0 or more (got {known.compare_steps})")
+    if known.compare_steps and known.ranks < 2:
+        ap.error("the comparison of policies needs --ranks 2 or more (or --compare-steps 0)")
+    cut = next((i for i, a in enumerate(rest) if a in DATAPARSERS), len(rest))
+    return known, rest[:cut], rest[cut:] or list(CITY)
+
+
+def newest_config(folder: Path) -> Path:
+    configs = sorted(folder.glob("**/config.yml"), key=lambda p: p.stat().st_mtime)
+    if not configs:
+        raise SystemExit(f"odin: error: the training wrote no config.yml under {folder}")
+    return configs[-1]
+
+
+def evaluate(config_path: Path, picture: Path) -> Dict:
+    """nerfstudio's evaluation of the final checkpoint over every held-out view, and one of them (the middle one)
+    rendered beside its ground truth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from nerfstudio.utils.eval_utils import eval_setup
+
+    _, pipeline, checkpoint, step = eval_setup(config_path)
+    dataset = pipeline.datamanager.eval_dataset
+    index = len(dataset) // 2
+    with torch.no_grad():
+        outputs = pipeline.model.get_outputs_for_camera(dataset.cameras[index:index + 1].to(pipeline.device))
+        batch = {k: v.to(pipeline.device) if torch.is_tensor(v) else v for k, v in dataset[index].items()}
+        view_metrics, images = pipeline.model.get_image_metrics_and_images(outputs, batch)
+    both = images["img"].clamp(0, 1).cpu().numpy()  # ground truth | render, side by side
+    width = both.shape[1] // 2
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.5 * both.shape[0] / max(1, width)))
+    for ax, image, title in zip(axes, (both[:, width:], both[:, :width]),
+                                (f"render, step {step} ({view_metrics['psnr']:.2f} dB)", "ground truth")):
+        ax.imshow(image)
+        ax.set_title(title, fontsize=9)
+        ax.axis("off")
+    fig.suptitle(f"held-out view {index} of {len(dataset)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(picture, dpi=120)
+    plt.close(fig)
+    metrics = pipeline.get_average_eval_image_metrics(step=step)  # (it leaves the pipeline in training mode)
+    return {"step": step, "checkpoint": str(checkpoint), "eval_views": len(dataset), **metrics}
+
+
+def compare(ranks: int, steps: int, flags: List[str], scene: List[str], folder: Path):
+    """`odin-bench train`'s runs, on the demo's scene: barrier, odin and odin-throughput on Odin's schedule."""
+    runs = []
+    for label, method in COMPARED:
+        print(f"odin-demo: {label} for {steps} steps on {ranks} ranks (the side-by-side comparison)", flush=True)
+        run = bench.run_training(ranks, method, MODEL + flags + ["--max-num-iterations", str(steps)] + scene,
+                                 folder / method)
+        run.update(label=label, method=method, schedule="odin", ranks=ranks, policy=bench.POLICY[method])
+        runs.append(run)
+    rows = bench.compare(runs)
+    timeline = bench_figures.timeline([{"label": r["label"], "ranks": ranks, "records": r["records"]}
+                                       for r in runs], folder / "timeline.png", steps // 2, min(8, steps))
+    return rows, timeline
+
+
+def print_comparison(rows: List[Dict], steps: int, ranks: int) -> None:
+    from rich.table import Table
+
+    from nerfstudio.utils.rich_utils import CONSOLE
+
+    table = Table(title=f"the policies side by side: {ranks} ranks, {steps} steps, the same schedule")
+    for col in ("policy", "views/s", "speed-up", "ideal", "wait hidden"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["label"], f"{r['views_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ideal_speedup']:.2f}x",
+                      f"{r['wait_hidden']:.0%}")
+    CONSOLE.print(table)
+    CONSOLE.print("speed-up over barrier; ideal: the barrier run without its waits; wait hidden: the share of "
+                  "barrier's wait the policy removes (a short run on a shared machine: `odin-bench` measures "
+                  "longer, repeated)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    config = tyro.cli(OdinTrainerConfig, default=demo_config(), args=sys.argv[1:] if argv is None else argv,
-                      prog="odin-demo")
-    if config.data:
-        config.pipeline.datamanager.data = config.data  # ns-train's --data alias
-    config.set_timestamp()
-    config.print_to_terminal()
-    config.save_config()
+    known, flags, scene = parse(sys.argv[1:] if argv is None else argv)
+    out = known.output_dir
     started = time.perf_counter()
-    trainer = config.setup(local_rank=0, world_size=1)
-    trainer.setup()
-    start_psnr = trainer.pipeline.get_average_eval_image_metrics(step=0)["psnr"]
-    trainer.train()
+    cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", str(known.ranks), "odin", "--output-dir", str(out),
+           "--experiment-name", "odin-demo", *STEPS, *MODEL, *flags, *scene]
+    code = subprocess.call(cmd)
+    if code != 0:
+        return code  # the launcher has said why
     train_seconds = time.perf_counter() - started
-    metrics = trainer.pipeline.get_average_eval_image_metrics(step=trainer.step)
-    output_dir = config.get_base_dir()
-    (output_dir / "demo_metrics.json").write_text(json.dumps(
-        {"steps": config.max_num_iterations, "train_seconds": train_seconds, "metrics": metrics}, indent=2))
+    config = newest_config(out / "odin-demo")
+    run = config.parent
+    print("odin-demo: evaluating the held-out views", flush=True)
+    metrics = evaluate(config, run / "heldout.png")
+    pictures = [run / "heldout.png"]
+    rows = []
+    if known.compare_steps:
+        rows, timeline = compare(known.ranks, known.compare_steps, flags, scene, run / "compare")
+        pictures.append(timeline)
+    (run / "demo_metrics.json").write_text(json.dumps(
+        {"ranks": known.ranks, "train_seconds": train_seconds, "metrics": metrics,
+         "comparison": {"steps": known.compare_steps, "runs": rows}}, indent=2, default=str))
+
+    from nerfstudio.utils.rich_utils import CONSOLE
+
     CONSOLE.rule("odin demo")
-    CONSOLE.print(f"outputs: {output_dir}")
-    CONSOLE.print(f"config:  {output_dir / 'config.yml'}")
-    CONSOLE.print(f"trained {config.max_num_iterations} steps in {train_seconds:.0f} s; "
-                  f"held-out PSNR {metrics['psnr']:.2f} dB ({start_psnr:.2f} dB before training), "
-                  f"SSIM {metrics['ssim']:.3f} "
-                  f"over {len(trainer.pipeline.datamanager.eval_dataset)} views")
+    if rows:
+        print_comparison(rows, known.compare_steps, known.ranks)
+    CONSOLE.print(f"trained `odin` on {known.ranks} ranks for {metrics['step'] + 1} steps in {train_seconds:.0f} s: "
+                  f"held-out PSNR {metrics['psnr']:.2f} dB, SSIM {metrics['ssim']:.3f} over {metrics['eval_views']} "
+                  "views")
+    CONSOLE.print(f"outputs:  {run}", soft_wrap=True)
+    CONSOLE.print("pictures: " + ", ".join(str(p) for p in pictures), soft_wrap=True)
+    CONSOLE.print("open it:")
+    CONSOLE.print(f"  ns-viewer --load-config {config}", soft_wrap=True)
+    CONSOLE.print(f"  ns-export gaussian-splat --load-config {config} --output-dir {run / 'export'}", soft_wrap=True)
+    CONSOLE.print(f"  ns-eval --load-config {config} --output-path {run / 'eval.json'}", soft_wrap=True)
     return 0
 
 

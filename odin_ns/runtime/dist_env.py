@@ -77,6 +77,10 @@ def init_distributed(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise OdinInputError(f"local rank {local_rank} has no GPU of its own: this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s) and NCCL needs one per rank (use --ranks "
+                                 f"{torch.cuda.device_count()} or fewer, or CPU ranks: --machine.device-type cpu)")
         torch.cuda.set_device(local_rank)
     die_with_parent()
     install_termination_message(rank)

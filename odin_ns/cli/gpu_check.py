@@ -1,0 +1,37 @@
+"""`make gpu-check`: the checks of the CUDA path a person runs on a CUDA machine, with absolute figures.
+
+1. the cuda-marked tests: gsplat's kernels against the CPU rasterizer on one scene, one rank training on the GPU,
+   NCCL ranks equal to one process (with a GPU per rank), gsplat's fused Adam against selective Adam;
+2. a short `odin-bench train` of the policies on NCCL ranks (2 GPUs or more; NCCL refuses two ranks on one GPU).
+Without CUDA it says so in one line and exits 0: nothing here can be checked on a CPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine: nothing to check (the CPU path is `make test`)")
+        return 0
+    gpus = torch.cuda.device_count()
+    print(f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}",
+          flush=True)
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", str(tests)])
+    if code != 0:
+        return code
+    if gpus < 2:
+        print("gpu-check: one GPU: the policies' side-by-side bench needs a GPU per rank (NCCL); skipped")
+        return 0
+    return subprocess.call([sys.executable, "-m", "odin_ns.cli.bench", "train", "--ranks", str(gpus), "--steps", "200",
+                            "--out", "gpu-check-bench", "--", "--machine.device-type", "cuda"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

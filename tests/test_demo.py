@@ -1,0 +1,33 @@
+"""`make demo`'s steps at a small size (the same code path: 2 real ranks of `odin`, nerfstudio's evaluation, the
+three policies side by side): the pictures exist, the table has the three policies, the commands are printed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from matplotlib.image import imread
+
+from conftest import TINY_CITY, script
+
+
+def test_demo_trains_two_ranks_and_shows_the_result(tmp_path):
+    out = tmp_path / "outputs"
+    proc = subprocess.run([script("odin-demo"), "--max-num-iterations", "30", "--compare-steps", "12",
+                           "--output-dir", str(out), *TINY_CITY], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (metrics_file,) = out.glob("odin-demo/odin/*/demo_metrics.json")
+    run = metrics_file.parent
+    summary = json.loads(metrics_file.read_text())
+    assert summary["ranks"] == 2 and summary["metrics"]["step"] == 29 and summary["metrics"]["psnr"] > 5
+    assert [r["label"] for r in summary["comparison"]["runs"]] == ["barrier", "odin", "odin-throughput"]
+    table = proc.stdout[proc.stdout.index("the policies side by side"):]
+    for policy in ("barrier", "odin", "odin-throughput"):
+        assert f" {policy} " in table
+    for picture in (run / "heldout.png", run / "compare" / "timeline.png"):
+        assert imread(picture).shape[0] > 100, picture
+    assert f"ns-viewer --load-config {run / 'config.yml'}" in proc.stdout
+    assert f"ns-export gaussian-splat --load-config {run / 'config.yml'}" in proc.stdout
+    # the run of 2 ranks: its stats say so
+    stats = json.loads((run / "odin_stats.json").read_text())
+    assert stats["summary"]["ranks"] == 2
