@@ -12,7 +12,9 @@ Training steps are run by `odin_ns.runtime.engine.OdinEngine` (sharding, selecti
 
 from __future__ import annotations
 
+import copy
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Type, Union
 
@@ -33,6 +35,14 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from odin_ns.render import rasterization
 
 GAUSSIAN_PARAMS = ("means", "scales", "quats", "features_dc", "features_rest", "opacities")
+
+
+def owner_palette(num_ranks: int) -> torch.Tensor:
+    """[num_ranks, 3] RGB in [0, 1]: matplotlib's tab10 (then tab20) colours, one per rank."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if num_ranks <= 10 else "tab20"]
+    return torch.tensor([cmap(r % cmap.N)[:3] for r in range(num_ranks)], dtype=torch.float32)
 
 
 @dataclass
@@ -87,6 +97,10 @@ class OdinModel(SplatfactoModel):
         self.engine = None  # the distributed engine (odin_ns.runtime.engine), attached by the pipeline for training
         self.render_params: Optional[Dict[str, torch.Tensor]] = None  # set by the engine around a training view
         self.full_snapshot: Optional[Dict[str, torch.Tensor]] = None  # the whole model, on rank 0 of several
+        self.snapshot_owners: Optional[torch.Tensor] = None  # the owning rank of each row of the snapshot
+        self.colour_by_owner = False  # the viewer's toggle: draw the snapshot in its owners' colours
+        self._owner_coloured: Optional[Dict[str, torch.Tensor]] = None
+        self._viewer_copy = False
         self.training_background: Optional[torch.Tensor] = None
 
     def _populate_common(self) -> None:
@@ -145,8 +159,51 @@ class OdinModel(SplatfactoModel):
         if self.training and self.render_params is not None:
             return self.render_params
         if not self.training and self.full_snapshot is not None:
+            if self.colour_by_owner and self.snapshot_owners is not None:
+                return self._coloured_by_owner()
             return self.full_snapshot
         return {name: self.gauss_params[name] for name in GAUSSIAN_PARAMS}
+
+    def _coloured_by_owner(self) -> Dict[str, torch.Tensor]:
+        """The snapshot with every Gaussian in the flat colour of its owning rank (view-independent: DC only)."""
+        if self._owner_coloured is None:
+            snap = self.full_snapshot
+            rgb = owner_palette(int(self.snapshot_owners.max().item()) + 1).to(snap["features_dc"].device)
+            self._owner_coloured = dict(snap, features_dc=RGB2SH(rgb[self.snapshot_owners.long()]),
+                                        features_rest=torch.zeros_like(snap["features_rest"]))
+        return self._owner_coloured
+
+    def show_snapshot(self, snapshot: Dict[str, torch.Tensor], owners: Optional[torch.Tensor]) -> "OdinModel":
+        """Rank 0 of several: the whole model (gathered from the owners) is what the viewer draws from now on.
+        Returns a shallow copy for the viewer's render thread: its own `training` flag and snapshot, the same
+        parameters and modules, so that the viewer renders beside the training steps instead of between them
+        (nerfstudio's viewer flips the model to eval mode under the trainer's lock for every frame)."""
+        self.full_snapshot, self.snapshot_owners, self._owner_coloured = snapshot, owners, None
+        view = copy.copy(self)
+        view._viewer_copy = True
+        view.training = False
+        return view
+
+    def get_outputs_for_camera(self, camera: Cameras, obb_box=None):
+        """Splatfacto's; on the viewer's copy without the viewer's line tracer. nerfstudio's viewer interrupts a
+        frame by raising from a trace function on any Python line; beside a training step (the copy's renders do
+        not hold the trainer's lock) such a raise can land inside the import machinery and leave its lock held,
+        which hangs the trainer's thread at its next import. The frame runs to its end instead (and faster)."""
+        if not getattr(self, "_viewer_copy", False):
+            return super().get_outputs_for_camera(camera, obb_box=obb_box)
+        tracer = sys.gettrace()
+        sys.settrace(None)
+        try:
+            return super().get_outputs_for_camera(camera, obb_box=obb_box)
+        finally:
+            sys.settrace(tracer)
+
+    def train(self, mode: bool = True):
+        """nn.Module's, except on the viewer's copy, whose mode is its own (its sub-modules are the trainer's)."""
+        if getattr(self, "_viewer_copy", False):  # (nn.Module may call it before __init__ ends)
+            self.training = mode
+            return self
+        return super().train(mode)
 
     def get_training_callbacks(self, training_callback_attributes):
         """Only splatfacto's step bookkeeping: densification runs in the engine, block by block, at phase ends."""

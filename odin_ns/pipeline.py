@@ -20,6 +20,7 @@ from odin_ns.errors import OdinInputError
 from odin_ns.model import OdinModelConfig
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.engine import OdinEngine
+from odin_ns.viewer_panel import attach as attach_panel
 
 
 @dataclass
@@ -145,6 +146,22 @@ class OdinPipeline(VanillaPipeline):
                                      phase_length=config.phase_length, view_order=config.view_order,
                                      block_cut=config.block_cut, max_staleness=config.max_staleness,
                                      admit_overlap=config.admit_overlap, admit_update=config.admit_update)
+            if env.distributed and env.rank == 0:  # the viewer's Odin panel (rank 0 serves the viewer)
+                self.odin_panel = attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
+        self.viewer_model = None  # rank 0 of several: the viewer's copy of the model (see OdinModel.show_snapshot)
+        self._owner_colours = False  # the panel's toggle; only the viewer's copy draws in owner colours
+
+    def show_snapshot(self, snapshot, owners):
+        """Rank 0 of several: the gathered whole model (and each row's owner) is what the viewer draws now."""
+        view = self.model.show_snapshot(snapshot, owners)
+        view.colour_by_owner = self._owner_colours
+        self.__dict__["viewer_model"] = view  # not a sub-module: the pipeline's state dict stays the model's
+
+    def _colour_by_owner(self, on: bool) -> None:
+        """The panel's toggle (viewer thread): the next frames, and every later snapshot, in owner colours."""
+        self._owner_colours = on
+        if self.viewer_model is not None:
+            self.viewer_model.colour_by_owner = on
 
     def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
         """The hook the trainer calls once per training step, around the model's forward and backward:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Type
 
 import torch
+import torch.distributed as dist
 
 from nerfstudio.engine.callbacks import TrainingCallbackLocation
 from nerfstudio.engine.trainer import Trainer, TrainerConfig
@@ -27,6 +29,7 @@ from odin_ns.pipeline import OdinPipeline
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.stats_file import write_stats
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
+from odin_ns.viewer_panel import window_shares
 
 
 def default_device_type() -> str:
@@ -41,6 +44,19 @@ def check_device(device_type: str) -> None:
     if device_type == "mps" and not torch.backends.mps.is_available():
         raise OdinInputError("--machine.device-type mps was given but MPS is not available here "
                              "(leave the flag out to train on the CPU)")
+
+
+def check_viewer_port(config: TrainerConfig) -> None:
+    """A viewer port given on the command line that another program holds: one line, before any work (viser
+    would end in a traceback after the data is loaded). Without a port, nerfstudio finds a free one itself."""
+    port = config.viewer.websocket_port
+    if port is None or not config.is_viewer_enabled():
+        return
+    from odin_ns.cli.train import port_free
+
+    if not port_free(port, config.viewer.websocket_host):
+        raise OdinInputError(f"--viewer.websocket-port {port} is in use (choose another, or leave the flag out to get "
+                             "a free one)")
 
 
 @dataclass
@@ -72,6 +88,8 @@ class OdinTrainer(Trainer):
                 local_rank = env.local_rank
             if env.backend == "nccl":
                 torch.cuda.set_device(local_rank)  # collectives of Python objects use the current device
+        if env.rank == 0:
+            check_viewer_port(config)
         super().__init__(config, local_rank, world_size)
         self.env = env
         self.stop_request = StopRequest(env.rank)
@@ -151,10 +169,38 @@ class OdinTrainer(Trainer):
             self._stopped_at, self.stop_training = step, True  # nerfstudio's loop ends before the next step
         refresh = self.config.pipeline.viewer_refresh_every
         if self.env.distributed and self.config.is_viewer_enabled() and step % refresh == 0:
-            snapshot = self.engine.gather_full()  # what rank 0's viewer shows until the next refresh
-            if self.env.rank == 0:
-                self.pipeline.model.full_snapshot = snapshot
+            self._refresh_viewer(step)
         return loss.detach(), {k: v.detach() for k, v in loss_dict.items()}, metrics_dict
+
+    def setup(self, test_mode="val") -> None:
+        super().setup(test_mode)
+        self._window_start = 0  # the first step record of the viewer panel's current window
+
+    def _refresh_viewer(self, step: int) -> None:
+        """Collective, every viewer refresh: the whole model to rank 0 (what its viewer draws until the next one)
+        and every rank's shares of the window since the last refresh (the Odin panel)."""
+        snapshot = self.engine.gather_full()
+        records = self.engine.log.records
+        window = [r.to_dict() for r in records[self._window_start:-1]]  # closed steps only
+        self._window_start = max(0, len(records) - 1)
+        shares = [None] * self.env.world_size
+        dist.all_gather_object(shares, window_shares(window))
+        if self.env.rank != 0:
+            return
+        owners = torch.repeat_interleave(self.engine.table.owner, self.engine.table.count)
+        first = self.pipeline.viewer_model is None
+        self.pipeline.show_snapshot(snapshot, owners)
+        if first and self.viewer_state is not None:
+            # from now on the viewer renders its own copy of the model, beside the training steps: without the
+            # trainer's lock, so that a frame on rank 0 never holds up a step (and with it the other ranks)
+            self.viewer_state.get_model = lambda: self.pipeline.viewer_model
+            self.viewer_state.train_lock = threading.Lock()
+        panel = getattr(self.pipeline, "odin_panel", None)
+        if panel is not None:
+            plan = self.engine.plan
+            phase = (f"phase {self.engine.plans_made}: steps {plan.start}-{plan.stop - 1}" if plan is not None
+                     else f"phase {self.engine.plans_made} ended")
+            panel.show(step, phase, shares)
 
     def _needs_full_model(self, step: int) -> bool:
         c = self.config

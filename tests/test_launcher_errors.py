@@ -4,10 +4,9 @@ complete one is offered, or resumed from with a notice) and a checkpoint of anot
 
 from __future__ import annotations
 
-import shutil
+import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +39,16 @@ def test_bad_input_is_one_line_from_two_ranks(tmp_path, args, words):
     out = tmp_path / "out"
     line = one_error_line(launch(2, *args, "--output-dir", str(out), "--vis", "tensorboard"))
     assert words in line
+
+
+def test_viewer_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        line = one_error_line(launch(2, "odin", "--output-dir", str(tmp_path / "out"), "--viewer.websocket-host",
+                                     "127.0.0.1", "--viewer.websocket-port", str(port), *QUICK[2:], *TINY_CITY))
+    assert f"--viewer.websocket-port {port} is in use" in line
 
 
 def test_bad_rank_count_is_one_line(tmp_path):

@@ -16,8 +16,9 @@ from typing import List, TextIO
 USER_ERROR = "odin: error:"
 STOPPED = "odin: stopped"
 # torchrun's own log lines (its logger's prefix names the module) and the ranks' notices when it tears them down
-TORCHRUN_LOG = re.compile(r"torch[/.]distributed[/.](elastic|run)|^odin: rank \d+: stopped by the launcher")
+TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ .*torch/distributed/|^odin: rank \d+: stopped by the launcher")
 TRACEBACK = "Traceback (most recent call last)"
+TORCHRUN_REPORT = "ChildFailedError"
 
 
 class StderrFilter:
@@ -28,6 +29,7 @@ class StderrFilter:
         self.errors: List[str] = []
         self.stopped = False
         self.held: List[str] = []
+        self.logs: List[str] = []  # torchrun's log lines and the ranks' notices when it tears them down
         self.holding = False  # from the first traceback on, lines wait for the end (they may be torchrun's report)
 
     def feed(self, line: str) -> None:
@@ -40,9 +42,12 @@ class StderrFilter:
             self.stopped = True
             self._write(line)
             return
+        if TORCHRUN_LOG.search(line):
+            self.logs.append(line)
+            return
         if line.startswith(TRACEBACK):
             self.holding = True
-        if self.holding or TORCHRUN_LOG.search(line):
+        if self.holding:
             self.held.append(line)
             return
         self._write(line)
@@ -53,11 +58,20 @@ class StderrFilter:
         return bool(self.errors) or self.stopped
 
     def finish(self) -> None:
-        """Everything held back is written, unless the job ended quietly (then it is torchrun's noise)."""
+        """Everything held back is written, unless the job ended quietly: then torchrun's report and log lines are
+        dropped, and any other traceback (a thread of a rank that failed along the way) is still written."""
+        blocks: List[List[str]] = []
+        for line in self.held:
+            if line.startswith(TRACEBACK) or not blocks:
+                blocks.append([])
+            blocks[-1].append(line)
         if not self.quiet_end:
-            for line in self.held:
-                self._write(line)
-        self.held = []
+            blocks.append(self.logs)
+        for block in blocks:
+            if not self.quiet_end or not any(TORCHRUN_REPORT in line for line in block):
+                for line in block:
+                    self._write(line)
+        self.held, self.logs = [], []
 
     def _write(self, line: str) -> None:
         self.out.write(line)

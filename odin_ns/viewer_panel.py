@@ -1,0 +1,118 @@
+"""The viewer's Odin panel during distributed training: how the model is distributed and who waits on whom.
+
+nerfstudio's viewer installs every `ViewerElement` it finds on the pipeline (and on its nn.Module attributes)
+under "Custom Elements"; the panel is such a module, so the elements appear in a folder named after it, "Odin":
+- a toggle that colours every Gaussian by its owning rank (the model draws its snapshot in owner colours);
+- the policy, the current phase, the stale reads admitted so far (throughput-first);
+- per rank, the share of the last refresh window's wall spent rendering, updating and waiting, as text and as a
+  stacked bar chart (plotly, which viser draws).
+Rank 0 fills it at every viewer refresh from a small all-gather of each rank's window (`window_shares`).
+Written by hand where nerfstudio has no element: the plot (`ViewerPlotly`, viser's plotly element).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from nerfstudio.viewer.viewer_elements import ViewerCheckbox, ViewerElement, ViewerText
+
+POLICIES = {"quality": "odin (quality-first: exact, no barrier)",
+            "throughput": "odin-throughput (reads admitted one version behind)",
+            "barrier": "odin-barrier (a global barrier every step)"}
+PARTS = ("render", "update", "wait")
+
+
+def window_shares(records: List[dict]) -> Dict[str, float]:
+    """Shares of the wall of a window of step records (`StepRecord.to_dict`) spent rendering, updating and
+    waiting (all causes), with the wall itself and the stale block reads admitted in it."""
+    wall = sum(r["wall_s"] for r in records)
+    render = sum(r["compute_s"] for r in records)
+    update = sum(r["update_s"] for r in records)
+    wait = sum(sum(r["wait_s"].values()) for r in records)
+    share = (lambda x: x / wall) if wall > 0 else (lambda x: 0.0)
+    return {"render": share(render), "update": share(update), "wait": share(wait), "wall_s": wall,
+            "steps": len(records), "stale_admitted": sum(e["blocks"] for r in records for e in r["stale_reads"])}
+
+
+def describe(rank: int, shares: Dict[str, float]) -> str:
+    return (f"render {shares['render']:.0%}, update {shares['update']:.0%}, wait {shares['wait']:.0%} "
+            f"of {shares['wall_s']:.1f} s over {shares['steps']} steps")
+
+
+def bar_chart(shares_by_rank: List[Dict[str, float]]):
+    """A stacked horizontal bar per rank: render, update, wait (share of the window's wall)."""
+    import plotly.graph_objects as go
+
+    ranks = [f"rank {r}" for r in range(len(shares_by_rank))]
+    colours = {"render": "#4c72b0", "update": "#55a868", "wait": "#c44e52"}
+    fig = go.Figure([go.Bar(name=part, y=ranks, x=[100 * s[part] for s in shares_by_rank], orientation="h",
+                            marker_color=colours[part]) for part in PARTS])
+    fig.update_layout(barmode="stack", height=80 + 30 * len(ranks), margin=dict(l=10, r=10, t=10, b=10),
+                      xaxis=dict(range=[0, 100], title="% of wall"), legend=dict(orientation="h", y=-0.6),
+                      yaxis=dict(autorange="reversed"))
+    return fig
+
+
+class ViewerPlotly(ViewerElement[None]):
+    """A plotly figure in the viewer (viser's `add_plotly`; nerfstudio has no such element)."""
+
+    def __init__(self, name: str, figure, aspect: float = 2.0):
+        super().__init__(name)
+        self.figure, self.aspect = figure, aspect
+
+    def _create_gui_handle(self, viser_server) -> None:
+        self.gui_handle = viser_server.gui.add_plotly(self.figure, aspect=self.aspect)
+
+    def install(self, viser_server) -> None:
+        self._create_gui_handle(viser_server)
+
+    def show(self, figure) -> None:
+        self.figure = figure
+        if self.gui_handle is not None:
+            self.gui_handle.figure = figure
+
+
+class OdinPanel(torch.nn.Module):
+    """The panel's elements (an nn.Module without parameters, so that nerfstudio's viewer finds them and the
+    pipeline's state dict does not change)."""
+
+    def __init__(self, world_size: int, policy: str, on_colour: Callable[[bool], None]):
+        super().__init__()
+        from odin_ns.model import owner_palette
+
+        self.palette = owner_palette(world_size)
+        self.colour_by_rank = ViewerCheckbox(
+            "Colour by owning rank", False, cb_hook=lambda element: on_colour(bool(element.value)),
+            hint="draw every Gaussian in the colour of the rank that owns it (refreshed with the model)")
+        self.policy = ViewerText("Policy", POLICIES.get(policy, policy), disabled=True)
+        self.ranks_text = ViewerText("Ranks", f"{world_size} (colours: " + ", ".join(
+            f"{r} #{''.join(f'{int(255 * c):02x}' for c in self.palette[r])}" for r in range(world_size)) + ")",
+            disabled=True)
+        self.phase = ViewerText("Phase", "starting", disabled=True)
+        self.stale = ViewerText("Stale reads admitted", "0 blocks" if policy == "throughput" else "none (exact)",
+                                disabled=True)
+        self.policy_name = policy
+        self.rank_rows = [ViewerText(f"Rank {r}", "-", disabled=True) for r in range(world_size)]
+        for r, row in enumerate(self.rank_rows):
+            setattr(self, f"rank_{r:03d}", row)  # attributes, so that the viewer finds them (in rank order)
+        self.shares = ViewerPlotly("Render / wait", bar_chart([window_shares([])] * world_size))
+        self.stale_total = 0
+
+    def show(self, step: int, phase: str, shares_by_rank: List[Dict[str, float]]) -> None:
+        """Rank 0, at a viewer refresh: the window's figures of every rank."""
+        self.phase.value = f"{phase} (step {step})"
+        for r, shares in enumerate(shares_by_rank):
+            self.rank_rows[r].value = describe(r, shares)
+        self.stale_total += sum(s["stale_admitted"] for s in shares_by_rank)
+        if self.policy_name == "throughput":
+            self.stale.value = f"{self.stale_total} blocks"
+        self.shares.show(bar_chart(shares_by_rank))
+
+
+def attach(pipeline, world_size: int, policy: str, on_colour: Callable[[bool], None]) -> Optional[OdinPanel]:
+    """The panel on the pipeline under the name the viewer shows as its folder ("Odin")."""
+    panel = OdinPanel(world_size, policy, on_colour)
+    pipeline.add_module("Odin", panel)  # the attribute's name is the folder's label in the viewer
+    return panel

@@ -1,0 +1,50 @@
+"""The launcher's reading of the ranks' and torchrun's stderr, on the lines a real failed job prints."""
+
+from __future__ import annotations
+
+import io
+
+from odin_ns.cli.launcher_output import StderrFilter
+
+TORCHRUN_REPORT = """W1203 12:51:34.959000 22531 .venv/lib/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22536 closing signal SIGTERM
+odin: rank 0: stopped by the launcher (another rank failed or the job was interrupted); see the launcher's message
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File ".venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Failures:
+  rank      : 1 (local_rank: 1)
+"""
+THREAD_TRACEBACK = """Traceback (most recent call last):
+  File "viewer.py", line 3, in run
+ValueError: a thread of rank 0 failed
+"""
+
+
+def run(lines: str) -> tuple:
+    out = io.StringIO()
+    f = StderrFilter(out)
+    for line in io.StringIO(lines):
+        f.feed(line)
+    f.finish()
+    return f, out.getvalue()
+
+
+def test_a_user_error_from_every_rank_is_one_line_and_torchruns_report_is_dropped():
+    f, text = run("odin: error: data folder /x does not exist\n" * 2 + "progress line\n" + TORCHRUN_REPORT)
+    assert f.quiet_end and text == "odin: error: data folder /x does not exist\nprogress line\n"
+
+
+def test_a_clean_stop_keeps_a_threads_traceback_but_not_torchruns_report():
+    f, text = run(THREAD_TRACEBACK + "odin: stopped after step 9 (Ctrl+C): checkpoint c.ckpt\n" + TORCHRUN_REPORT)
+    assert f.stopped and "a thread of rank 0 failed" in text and "ChildFailedError" not in text
+    assert "closing signal" not in text
+
+
+def test_a_crash_keeps_everything():
+    f, text = run(THREAD_TRACEBACK + TORCHRUN_REPORT)
+    assert not f.quiet_end
+    assert "a thread of rank 0 failed" in text and "ChildFailedError" in text and "rank      : 1" in text
+    assert "closing signal SIGTERM" in text

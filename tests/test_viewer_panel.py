@@ -1,0 +1,174 @@
+"""The viewer's Odin panel in a real browser: headless Chromium loads the live viewer of a 2-rank run.
+
+The test checks the panel's elements (the owner toggle, the policy, the phase, per-rank render/wait shares as text
+and as a plotly chart, the stale reads) and that they are updated while training goes on, saves a screenshot,
+then turns on "Colour by owning rank" in the page and checks the frames the viewer sends after it: every pixel of
+the render lies in the plane of the two ranks' colours and the background (a pixel is a blend of the Gaussians
+over the background; flat owner colours make every blend such a point), which the scene's own colours do not.
+The run ends with a Ctrl+C (a clean stop, exit 130). Chromium comes from the system's packages: the set-up
+installs them where they are missing and it may (root with apt-get); elsewhere the test is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import FAST_TRAINING, TINY_CITY
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+BACKGROUND = np.array([0.1490, 0.1647, 0.2157])  # splatfacto's render background (viser's)
+
+
+def ensure_chromium() -> None:
+    if os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    install = ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"]
+    if subprocess.run(install, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True)
+        subprocess.run(install, capture_output=True, check=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def field(driver, label: str) -> str:
+    """The panel's input in the row of the label with this text (its value for a text field)."""
+    element = row_input(driver, label)
+    return None if element is None else element.get_attribute("value")
+
+
+def row_input(driver, label: str):
+    """The input in the row of a label (viser's rows: the label and its input share an ancestor; the label's
+    `for` does not name the input)."""
+    return driver.execute_script(
+        "const l = Array.from(document.querySelectorAll('label')).find(e => e.textContent === arguments[0]);"
+        "for (let e = l; e; e = e.parentElement) { const i = e.querySelector('input'); if (i) return i; }"
+        "return null;", label)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def on_owner_plane(png: str, palette: np.ndarray, box) -> float:
+    """Share of the render's pixels within 0.02 of the plane through the two ranks' colours and the background."""
+    from matplotlib.image import imread
+
+    x0, y0, x1, y1 = box
+    pixels = imread(png)[y0:y1, x0:x1, :3].reshape(-1, 3)
+    normal = np.cross(palette[0] - BACKGROUND, palette[1] - BACKGROUND)
+    normal /= np.linalg.norm(normal)
+    return float((np.abs((pixels - BACKGROUND) @ normal) < 0.02).mean())
+
+
+def test_the_odin_panel_shows_the_distribution_live(tmp_path):
+    ensure_chromium()
+    from selenium.webdriver.common.by import By
+
+    from odin_ns.model import owner_palette
+
+    port = free_port()
+    args = [a for a in FAST_TRAINING if a not in ("--vis", "tensorboard")]
+    cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", "2", "odin-throughput", "--output-dir",
+           str(tmp_path / "run"), "--vis", "viewer", "--viewer.websocket-host", "127.0.0.1",
+           "--viewer.websocket-port", str(port), "--viewer.quit-on-train-completion", "True",
+           "--pipeline.viewer-refresh-every", "10", "--max-num-iterations", "100000",
+           "--pipeline.model.stop-split-at", "0", *args, *TINY_CITY]
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    driver = None
+    try:
+        def serving():
+            assert run.poll() is None, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(serving, 300, "the viewer")
+        driver = browser()
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait_for(lambda: (field(driver, "Rank 1") or "").startswith("render"), 120, "the panel's first figures")
+        for label in ("Policy", "Phase", "Rank 0", "Rank 1", "Ranks", "Stale reads admitted"):
+            assert field(driver, label) is not None, label
+        assert field(driver, "Policy").startswith("odin-throughput")
+        assert driver.find_elements(By.XPATH, "//label[text()='Colour by owning rank']")
+        assert driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot"), "no render/wait chart"
+        assert "rank 0" in driver.find_element(By.CSS_SELECTOR, ".js-plotly-plot").text
+        shares = field(driver, "Rank 0")
+        assert "wait" in shares and "%" in shares
+        phase = field(driver, "Phase")
+        wait_for(lambda: field(driver, "Phase") != phase, 120, "the panel to update while training")
+        assert field(driver, "Stale reads admitted").endswith("blocks")
+        odin = driver.find_element(By.XPATH, "//*[text()='Odin']")
+        driver.execute_script("arguments[0].scrollIntoView()", odin)
+        time.sleep(1)
+        driver.save_screenshot(str(tmp_path / "odin_panel.png"))
+        assert (tmp_path / "odin_panel.png").stat().st_size > 10_000
+
+        canvas = max((c.rect for c in driver.find_elements(By.TAG_NAME, "canvas")),
+                     key=lambda r: r["width"] * r["height"])  # the scene's (three.js), not a chart's
+        panel = driver.find_element(By.XPATH, "//*[text()='Connected']").rect
+        box = (int(canvas["x"]) + 40, int(canvas["y"]) + 40, int(min(canvas["x"] + canvas["width"], panel["x"])) - 60,
+               int(canvas["y"] + canvas["height"]) - 80)
+        palette = owner_palette(2).numpy()
+        driver.save_screenshot(str(tmp_path / "scene.png"))
+        before = on_owner_plane(str(tmp_path / "scene.png"), palette, box)
+        toggle = row_input(driver, "Colour by owning rank")
+        assert toggle.get_attribute("type") == "checkbox" and not toggle.is_selected()
+        driver.execute_script("arguments[0].click()", toggle)
+
+        def coloured():
+            driver.save_screenshot(str(tmp_path / "owners.png"))
+            return on_owner_plane(str(tmp_path / "owners.png"), palette, box) > 0.97
+
+        wait_for(coloured, 60, "the render in owner colours")
+        assert before < 0.8, f"the scene's own colours already lie on the owners' plane ({before:.0%})"
+    finally:
+        if driver is not None:
+            driver.quit()
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGINT)
+        try:
+            run.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            raise
+    assert run.returncode == 130, log.read_text()[-3000:]
