@@ -23,18 +23,19 @@ from typing import Dict, List, Optional
 from odin_ns.cli import bench, bench_figures
 from odin_ns.cli.train import OneLineParser
 
-# the short schedule sized for the built-in scene on a CPU (splatfacto's own is 30000 steps): the length of the
-# training, then the model's schedule (also that of the comparison's runs)
-STEPS = ["--max-num-iterations", "1500", "--steps-per-save", "1000", "--steps-per-eval-image", "100000",
+# the short schedule sized for the built-in scene on a CPU (splatfacto's own is 30000 steps): 750 steps of 2 views
+# (one per rank), as many views as one process's 1500; the length of the training, then the model's schedule (also
+# that of the comparison's runs)
+STEPS = ["--max-num-iterations", "750", "--steps-per-save", "1000", "--steps-per-eval-image", "100000",
          "--steps-per-eval-all-images", "100000", "--steps-per-eval-batch", "0", "--vis", "tensorboard"]
 MODEL = [
-    "--pipeline.model.num-downscales", "1", "--pipeline.model.resolution-schedule", "500",
-    "--pipeline.model.warmup-length", "200", "--pipeline.model.refine-every", "100",
-    "--pipeline.model.reset-alpha-every", "10", "--pipeline.model.stop-split-at", "1200",
-    "--pipeline.model.sh-degree-interval", "400",
+    "--pipeline.model.num-downscales", "1", "--pipeline.model.resolution-schedule", "250",
+    "--pipeline.model.warmup-length", "100", "--pipeline.model.refine-every", "50",
+    "--pipeline.model.reset-alpha-every", "10", "--pipeline.model.stop-split-at", "600",
+    "--pipeline.model.sh-degree-interval", "200",
     # screen-size splitting: 5% of a 128-pixel image is 6 pixels, far too eager
     "--pipeline.model.stop-screen-size-at", "0",
-    "--optimizers.means.scheduler.max-steps", "1500",
+    "--optimizers.means.scheduler.max-steps", "750",
 ]
 # a denser street capture than the parser's default, so that every held-out view has close neighbours
 CITY = ["odin-city", "--num-street-cameras", "100"]
@@ -45,7 +46,7 @@ COMPARED = [("barrier", "odin-barrier"), ("odin", "odin"), ("odin-throughput", "
 def parse(argv: List[str]):
     ap = OneLineParser(prog="odin-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the training (real processes)")
-    ap.add_argument("--compare-steps", type=int, default=150,
+    ap.add_argument("--compare-steps", type=int, default=100,
                     help="steps of each policy's run in the side-by-side comparison (0: no comparison)")
     ap.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where the runs go")
     known, rest = ap.parse_known_args(argv)
