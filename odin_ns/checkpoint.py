@@ -102,7 +102,7 @@ def _step_of(path: Path) -> int:
 
 
 def _read(path: Path):
-    """The checkpoint's contents, or None when the file is truncated or not a checkpoint at all."""
+    """The checkpoint's contents, or the exception that reading it raised (a truncated file, not a checkpoint)."""
     try:
         return torch.load(path, map_location="cpu")
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:  # torch's zip reader: RuntimeError
@@ -137,7 +137,7 @@ def load_checkpoint_state(config, say=print):
         path = folder / f"step-{config.load_step:09d}.ckpt"
     elif config.load_checkpoint is not None:
         path = Path(config.load_checkpoint)
-        folder, found = path.parent, sorted(path.parent.glob("step-*.ckpt"), key=_step_of)
+        found = sorted(path.parent.glob("step-*.ckpt"), key=_step_of)
     else:
         return None
     if not path.exists():

@@ -38,11 +38,13 @@ GAUSSIAN_PARAMS = ("means", "scales", "quats", "features_dc", "features_rest", "
 
 
 def owner_palette(num_ranks: int) -> torch.Tensor:
-    """[num_ranks, 3] RGB in [0, 1]: matplotlib's tab10 (then tab20) colours, one per rank."""
+    """[num_ranks, 3] RGB in [0, 1], one colour per rank, the same for a rank whatever the count (the viewer's
+    snapshot sizes it by the highest owning rank, the panel by the world size): matplotlib's tab10 colours (tab20's
+    even entries), then tab20's light ones, then around again."""
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10" if num_ranks <= 10 else "tab20"]
-    return torch.tensor([cmap(r % cmap.N)[:3] for r in range(num_ranks)], dtype=torch.float32)
+    cmap = colormaps["tab20"]
+    return torch.tensor([cmap((2 * r) % 20 + (r // 10) % 2)[:3] for r in range(num_ranks)], dtype=torch.float32)
 
 
 @dataclass

@@ -147,7 +147,7 @@ class OdinPipeline(VanillaPipeline):
                                      block_cut=config.block_cut, max_staleness=config.max_staleness,
                                      admit_overlap=config.admit_overlap, admit_update=config.admit_update)
             if env.distributed and env.rank == 0:  # the viewer's Odin panel (rank 0 serves the viewer)
-                self.odin_panel = attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
+                attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
         self.viewer_model = None  # rank 0 of several: the viewer's copy of the model (see OdinModel.show_snapshot)
         self._owner_colours = False  # the panel's toggle; only the viewer's copy draws in owner colours
 

@@ -29,7 +29,7 @@ from odin_ns.pipeline import OdinPipeline
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.stats_file import write_stats
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
-from odin_ns.viewer_panel import window_shares
+from odin_ns.viewer_panel import panel_of, window_shares
 
 
 def default_device_type() -> str:
@@ -94,6 +94,7 @@ class OdinTrainer(Trainer):
         self.env = env
         self.stop_request = StopRequest(env.rank)
         self._stopped_at: int | None = None  # the step after which every rank agreed to stop (Ctrl+C)
+        self._window_start = 0  # the first step record of the viewer panel's current window
 
     @property
     def engine(self):
@@ -114,15 +115,19 @@ class OdinTrainer(Trainer):
 
     def _after_train(self) -> None:
         """nerfstudio's end of training, with the collective parts (checkpoint, stats) before rank 0 may block in
-        the viewer's "training complete" loop; after an agreed Ctrl+C stop, the same without the viewer, then
-        exit 130."""
+        the viewer's "training complete" loop; after an agreed Ctrl+C stop, the same collective parts at the step
+        the ranks stopped after, then one line and exit 130 (no viewer loop)."""
         if self._stopped_at is not None:
-            self._after_stop(self._stopped_at)
+            self.step = self._stopped_at  # nerfstudio's loop has moved on to the step it did not run
         self.training_state = "completed"
         self.engine.log.close()  # the last step ends here, before the final checkpoint's gather
         self.save_checkpoint(self.step)
         writer.write_out_storage()
         self.write_stats()
+        if self._stopped_at is not None:
+            self._say(f"odin: stopped after step {self.step} (Ctrl+C): checkpoint {self.checkpoint_dir}/"
+                      f"step-{self.step:09d}.ckpt (resume: the same command with --load-dir {self.checkpoint_dir})")
+            raise SystemExit(EXIT_INTERRUPTED)
         if self.env.rank != 0:
             return
         CONSOLE.print(f"[bold green]Training finished[/bold green]: config {self.config.get_base_dir() / 'config.yml'}"
@@ -131,17 +136,6 @@ class OdinTrainer(Trainer):
             callback.run_callback_at_location(step=self.step, location=TrainingCallbackLocation.AFTER_TRAIN)
         if not self.config.viewer.quit_on_train_completion:
             self._train_complete_viewer()
-
-    def _after_stop(self, step: int) -> None:
-        self.step = step  # nerfstudio's loop has moved on to the step it did not run
-        self.training_state = "completed"
-        self.engine.log.close()
-        self.save_checkpoint(step)
-        writer.write_out_storage()
-        self.write_stats()
-        self._say(f"odin: stopped after step {step} (Ctrl+C): checkpoint {self.checkpoint_dir}/step-{step:09d}.ckpt "
-                  f"(resume: the same command with --load-dir {self.checkpoint_dir})")
-        raise SystemExit(EXIT_INTERRUPTED)
 
     def _say(self, line: str) -> None:
         """One line on stderr for the job (rank 0's)."""
@@ -172,10 +166,6 @@ class OdinTrainer(Trainer):
             self._refresh_viewer(step)
         return loss.detach(), {k: v.detach() for k, v in loss_dict.items()}, metrics_dict
 
-    def setup(self, test_mode="val") -> None:
-        super().setup(test_mode)
-        self._window_start = 0  # the first step record of the viewer panel's current window
-
     def _refresh_viewer(self, step: int) -> None:
         """Collective, every viewer refresh: the whole model to rank 0 (what its viewer draws until the next one)
         and every rank's shares of the window since the last refresh (the Odin panel)."""
@@ -195,7 +185,7 @@ class OdinTrainer(Trainer):
             # trainer's lock, so that a frame on rank 0 never holds up a step (and with it the other ranks)
             self.viewer_state.get_model = lambda: self.pipeline.viewer_model
             self.viewer_state.train_lock = threading.Lock()
-        panel = getattr(self.pipeline, "odin_panel", None)
+        panel = panel_of(self.pipeline)
         if panel is not None:
             plan = self.engine.plan
             phase = (f"phase {self.engine.plans_made}: steps {plan.start}-{plan.stop - 1}" if plan is not None

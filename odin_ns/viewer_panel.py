@@ -36,7 +36,7 @@ def window_shares(records: List[dict]) -> Dict[str, float]:
             "steps": len(records), "stale_admitted": sum(e["blocks"] for r in records for e in r["stale_reads"])}
 
 
-def describe(rank: int, shares: Dict[str, float]) -> str:
+def describe(shares: Dict[str, float]) -> str:
     return (f"render {shares['render']:.0%}, update {shares['update']:.0%}, wait {shares['wait']:.0%} "
             f"of {shares['wall_s']:.1f} s over {shares['steps']} steps")
 
@@ -104,15 +104,21 @@ class OdinPanel(torch.nn.Module):
         """Rank 0, at a viewer refresh: the window's figures of every rank."""
         self.phase.value = f"{phase} (step {step})"
         for r, shares in enumerate(shares_by_rank):
-            self.rank_rows[r].value = describe(r, shares)
+            self.rank_rows[r].value = describe(shares)
         self.stale_total += sum(s["stale_admitted"] for s in shares_by_rank)
         if self.policy_name == "throughput":
             self.stale.value = f"{self.stale_total} blocks"
         self.shares.show(bar_chart(shares_by_rank))
 
 
-def attach(pipeline, world_size: int, policy: str, on_colour: Callable[[bool], None]) -> Optional[OdinPanel]:
-    """The panel on the pipeline under the name the viewer shows as its folder ("Odin")."""
-    panel = OdinPanel(world_size, policy, on_colour)
-    pipeline.add_module("Odin", panel)  # the attribute's name is the folder's label in the viewer
-    return panel
+PANEL_NAME = "Odin"  # the panel's sub-module name on the pipeline: the folder's label in the viewer
+
+
+def attach(pipeline, world_size: int, policy: str, on_colour: Callable[[bool], None]) -> None:
+    """The panel on the pipeline, registered once, under the name the viewer shows as its folder."""
+    pipeline.add_module(PANEL_NAME, OdinPanel(world_size, policy, on_colour))
+
+
+def panel_of(pipeline) -> Optional[OdinPanel]:
+    """The pipeline's panel (rank 0 of several), or None."""
+    return pipeline._modules.get(PANEL_NAME)

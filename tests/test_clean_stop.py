@@ -8,29 +8,21 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import torch
 
 from conftest import script
-from test_faults import start_long_run, wait_for_checkpoint, workers
+from test_faults import long_run, time_to_exit, wait_for_checkpoint, workers
 
 
 def test_ctrl_c_stops_every_rank_with_a_final_checkpoint(tmp_path):
-    launcher = start_long_run(tmp_path)
-    try:
+    with long_run(tmp_path) as launcher:
         wait_for_checkpoint(tmp_path, launcher, 5)
         ranks = list(workers(launcher).values())
         assert len(ranks) == 2
-        os.killpg(launcher.pid, signal.SIGINT)
-        sent = time.time()
-        _, stderr = launcher.communicate(timeout=60)
-        took = time.time() - sent
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        stderr, took = time_to_exit(launcher, lambda: os.killpg(launcher.pid, signal.SIGINT))
     assert launcher.returncode == 130, stderr[-3000:]
     assert took < 30, f"the job took {took:.0f} s to stop"
     gone, alive = psutil.wait_procs(ranks, timeout=5)

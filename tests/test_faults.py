@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Tuple
 
 import psutil
 import torch
@@ -51,19 +53,32 @@ def wait_for_checkpoint(out: Path, launcher: subprocess.Popen, step: int, timeou
     raise AssertionError("training never wrote its checkpoints")
 
 
-def test_killed_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
-    launcher = start_long_run(tmp_path)
+@contextmanager
+def long_run(out: Path) -> Iterator[subprocess.Popen]:
+    """`start_long_run`, killed (its process group; torchrun and the ranks die with it) when the test leaves."""
+    launcher = start_long_run(out)
     try:
-        wait_for_checkpoint(tmp_path, launcher, 10)
-        ranks = workers(launcher)
-        assert set(ranks) == {0, 1}
-        ranks[1].send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        _, stderr = launcher.communicate(timeout=60)
-        took = time.time() - killed_at
+        yield launcher
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=30)
+
+
+def time_to_exit(launcher: subprocess.Popen, act) -> Tuple[str, float]:
+    """`act()`, then (the launcher's stderr, seconds from act to its exit; at most 60 s)."""
+    started = time.time()
+    act()
+    _, stderr = launcher.communicate(timeout=60)
+    return stderr, time.time() - started
+
+
+def test_killed_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
+    with long_run(tmp_path) as launcher:
+        wait_for_checkpoint(tmp_path, launcher, 10)
+        ranks = workers(launcher)
+        assert set(ranks) == {0, 1}
+        stderr, took = time_to_exit(launcher, lambda: ranks[1].send_signal(signal.SIGKILL))
     assert launcher.returncode != 0
     assert took < 30, f"the job took {took:.0f} s to stop"
     assert "rank 1 failed" in stderr, stderr[-3000:]
@@ -74,8 +89,7 @@ def test_killed_rank_stops_every_rank_and_keeps_the_checkpoint(tmp_path):
 
 
 def test_ranks_die_with_their_launcher(tmp_path):
-    launcher = start_long_run(tmp_path)
-    try:
+    with long_run(tmp_path) as launcher:
         wait_for_checkpoint(tmp_path, launcher, 5)
         ranks = workers(launcher)
         torchrun = [p for p in psutil.Process(launcher.pid).children()
@@ -84,6 +98,3 @@ def test_ranks_die_with_their_launcher(tmp_path):
         torchrun[0].send_signal(signal.SIGKILL)  # torchrun does not stop its workers when it is killed itself
         gone, alive = psutil.wait_procs(list(ranks.values()), timeout=20)
         assert not alive, f"ranks still running after their launcher died: {[p.pid for p in alive]}"
-    finally:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait(timeout=30)

@@ -50,8 +50,9 @@ POLICY = {"odin-barrier": "barrier", "odin": "quality", "odin-throughput": "thro
 DEFAULT_FOX = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fox"
 
 
-def run_training(ranks: int, method: str, args: List[str], out: Path) -> Dict:
-    """One `odin-train` run; its odin_stats.json (summary and per-step records) and its config path."""
+def run_training(ranks: int, method: str, args: List[str], out: Path, label: str, schedule: str) -> Dict:
+    """One `odin-train` run; its odin_stats.json (summary and per-step records), its config path, and what
+    `compare` and the pictures need to know of it (label, method, policy, schedule: the view order, ranks)."""
     cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", str(ranks), method, "--output-dir", str(out),
            *QUIET_RUN, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -60,7 +61,8 @@ def run_training(ranks: int, method: str, args: List[str], out: Path) -> Dict:
         raise SystemExit(f"odin-bench: the {ranks}-rank {method} run failed")
     stats_path = next(out.glob("**/odin_stats.json"))
     stats = json.loads(stats_path.read_text())
-    return {"summary": stats["summary"], "records": stats["steps"], "config": stats_path.parent / "config.yml"}
+    return {"summary": stats["summary"], "records": stats["steps"], "config": stats_path.parent / "config.yml",
+            "label": label, "method": method, "policy": POLICY[method], "schedule": schedule, "ranks": ranks}
 
 
 def held_out_psnr(config: Path) -> Optional[float]:
@@ -206,9 +208,7 @@ def train_main(argv: List[str]) -> int:
                 flags = base + ["--pipeline.view-order", order] + extra + scene
                 run_dir = Path(tmp) / f"{label.replace(' ', '_').replace(',', '')}{f'_{rep}' if rep else ''}"
                 shutil.rmtree(run_dir, ignore_errors=True)  # a kept run of an earlier invocation
-                run = run_training(args.ranks, method, flags, run_dir)
-                run.update(label=label, method=method, schedule=order, ranks=args.ranks,
-                           policy=POLICY[method])
+                run = run_training(args.ranks, method, flags, run_dir, label, order)
                 # the trained model is the same in every round (same seeds and steps): evaluate it once
                 run["psnr"] = None if args.no_psnr or rep else held_out_psnr(run["config"])
                 tries[label].append(run)
@@ -217,8 +217,7 @@ def train_main(argv: List[str]) -> int:
     title = f"{args.scene}: {args.ranks} ranks, {args.steps} steps"
     print_table(rows, title)
     window = max(0, args.steps // 2)
-    pictures = [bench_figures.timeline([{"label": r["label"], "ranks": args.ranks, "records": r["records"]}
-                                        for r in runs], out_dir / "timeline.png", window, min(8, args.steps)),
+    pictures = [bench_figures.timeline(runs, out_dir / "timeline.png", window, min(8, args.steps)),
                 bench_figures.bars(rows, rows[0]["ideal_speedup"], out_dir / "speedup.png", title)]
     print("pictures: " + ", ".join(str(p) for p in pictures))
     if args.json:

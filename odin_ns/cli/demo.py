@@ -106,13 +106,10 @@ def compare(ranks: int, steps: int, flags: List[str], scene: List[str], folder: 
     runs = []
     for label, method in COMPARED:
         print(f"odin-demo: {label} for {steps} steps on {ranks} ranks (the side-by-side comparison)", flush=True)
-        run = bench.run_training(ranks, method, MODEL + flags + ["--max-num-iterations", str(steps)] + scene,
-                                 folder / method)
-        run.update(label=label, method=method, schedule="odin", ranks=ranks, policy=bench.POLICY[method])
-        runs.append(run)
+        runs.append(bench.run_training(ranks, method, MODEL + flags + ["--max-num-iterations", str(steps)] + scene,
+                                       folder / method, label, "odin"))
     rows = bench.compare(runs)
-    timeline = bench_figures.timeline([{"label": r["label"], "ranks": ranks, "records": r["records"]}
-                                       for r in runs], folder / "timeline.png", steps // 2, min(8, steps))
+    timeline = bench_figures.timeline(runs, folder / "timeline.png", steps // 2, min(8, steps))
     return rows, timeline
 
 

@@ -31,7 +31,7 @@ from typing import List, Optional, Tuple
 
 from odin_ns.cli.launcher_output import StderrFilter
 from odin_ns.runtime.dist_env import die_with_parent
-from odin_ns.runtime.stop_request import STOP_FILE_ENV
+from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, STOP_FILE_ENV
 
 METHODS = ("odin", "odin-throughput", "odin-barrier")
 QUIET_WARNINGS = "ignore:`torch.cuda.amp.:FutureWarning"
@@ -181,11 +181,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         signal.signal(signal.SIGTERM, previous[1])
         stop_file.unlink(missing_ok=True)
     if output.stopped:
-        return 130
+        return EXIT_INTERRUPTED
     if interrupts.count > 1:
         print("odin: error: stopped at once by a second Ctrl+C; the last complete checkpoint, if any, is in the "
               "run's nerfstudio_models/ folder", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if output.errors:
         return 1
     if code != 0:

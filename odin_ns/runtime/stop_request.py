@@ -45,8 +45,8 @@ class StopRequest:
         if self.requested_at is None:
             self.requested_at = now
             if self.rank == 0 and not self.stop_file:  # odin-train says it itself
-                sys.stderr.write("odin: Ctrl+C: stopping after this step and writing a checkpoint "
-                                 "(Ctrl+C again stops at once, without one)\n")
+                sys.stderr.write("odin: Ctrl+C: stopping at the next synchronization point (alone: after this step) "
+                                 "and writing a checkpoint (Ctrl+C again stops at once, without one)\n")
         elif now - self.requested_at > SECOND_PRESS_S:
             sys.stderr.write(f"odin: rank {self.rank}: stopped at once by a second Ctrl+C\n")
             sys.stderr.flush()
