@@ -9,13 +9,18 @@ DEMO_ARGS ?=
 
 install: $(STAMP)
 
-# torch first, alone: on a CPU machine pip takes the local CPU build; everything else is pinned against it so
-# that nothing swaps in the multi-GB CUDA stack. The last step lets PyPI's (CUDA) torchvision import beside a
-# CPU torch (see odin_ns/compat/torchvision_hook.py); it does nothing where torchvision imports as installed.
+# torch first, alone, with pip: on a CPU machine pip takes the local CPU build; everything else is pinned against
+# it so that nothing swaps in the multi-GB CUDA stack. The rest (about 240 pinned packages) goes in with uv, which
+# keeps the installed torch and installs the same set as pip in a fifth of the time (about 25 s against 100 s on
+# 2 cores); pip does it where uv cannot be had or fails (uv reads PyPI, not pip's own index settings). The last
+# step lets PyPI's (CUDA) torchvision import beside a CPU torch (see odin_ns/compat/torchvision_hook.py); it does
+# nothing where torchvision imports as installed.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
+	{ $(PY) -m pip install --quiet uv -c constraints.txt && \
+	  $(VENV)/bin/uv pip install --python $(PY) --quiet -e '.[test]' -c constraints.txt; } || \
+	  $(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
 	$(PY) -m odin_ns.compat.install_pth
 	@$(MAKE) --no-print-directory system-deps
 	touch $(STAMP)
