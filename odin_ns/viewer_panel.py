@@ -5,7 +5,8 @@ under "Custom Elements"; the panel is such a module, so the elements appear in a
 - a toggle that colours every Gaussian by its owning rank (the model draws its snapshot in owner colours);
 - the policy, the current phase, the stale reads admitted so far (throughput-first);
 - per rank, the share of the last refresh window's wall spent rendering, updating and waiting, as text and as a
-  stacked bar chart (plotly, which viser draws).
+  stacked bar chart (plotly, which viser draws); throughput-first's owners update on a thread beside the render,
+  and that thread's busy share is shown after the rank's own (it overlaps the render, so a bar may pass 100%).
 Rank 0 fills it at every viewer refresh from a small all-gather of each rank's window (`window_shares`).
 Written by hand where nerfstudio has no element: the plot (`ViewerPlotly`, viser's plotly element).
 """
@@ -21,44 +22,59 @@ from nerfstudio.viewer.viewer_elements import ViewerCheckbox, ViewerElement, Vie
 POLICIES = {"quality": "odin (quality-first: exact, no barrier)",
             "throughput": "odin-throughput (reads admitted one version behind)",
             "barrier": "odin-barrier (a global barrier every step)"}
-PARTS = ("render", "update", "wait")
+PARTS = ("render", "update", "wait", "update thread")
+COLOURS = {"render": "#4c72b0", "update": "#55a868", "wait": "#c44e52", "update thread": "#a6d8b0"}
 
 
 def window_shares(records: List[dict]) -> Dict[str, float]:
     """Shares of the wall of a window of step records (`StepRecord.to_dict`) spent rendering, updating and
-    waiting (all causes), with the wall itself and the stale block reads admitted in it."""
+    waiting (all causes) on the rank's own thread, and updating on the update thread beside it (throughput-first),
+    with the wall itself and the stale block reads admitted in it."""
     wall = sum(r["wall_s"] for r in records)
-    render = sum(r["compute_s"] for r in records)
-    update = sum(r["update_s"] for r in records)
-    wait = sum(sum(r["wait_s"].values()) for r in records)
-    share = (lambda x: x / wall) if wall > 0 else (lambda x: 0.0)
-    return {"render": share(render), "update": share(update), "wait": share(wait), "wall_s": wall,
+    seconds = {"render": sum(r["compute_s"] for r in records), "update": sum(r["update_s"] for r in records),
+               "wait": sum(sum(r["wait_s"].values()) for r in records),
+               "update thread": sum(r.get("background_s", {}).get("update", 0.0) for r in records)}
+    return {**{part: s / wall if wall > 0 else 0.0 for part, s in seconds.items()}, "wall_s": wall,
             "steps": len(records), "stale_admitted": sum(e["blocks"] for r in records for e in r["stale_reads"])}
 
 
 def describe(shares: Dict[str, float]) -> str:
-    return (f"render {shares['render']:.0%}, update {shares['update']:.0%}, wait {shares['wait']:.0%} "
+    beside = f" (+{shares['update thread']:.0%} on the update thread)" if shares["update thread"] > 0 else ""
+    return (f"render {shares['render']:.0%}, update {shares['update']:.0%}{beside}, wait {shares['wait']:.0%} "
             f"of {shares['wall_s']:.1f} s over {shares['steps']} steps")
 
 
 def bar_chart(shares_by_rank: List[Dict[str, float]]):
-    """A stacked horizontal bar per rank: render, update, wait (share of the window's wall)."""
+    """A stacked horizontal bar per rank: render, update, wait, then the update thread's share (of the window's
+    wall), with a one-line legend above the bars, small beside them in the viewer's narrow panel."""
     import plotly.graph_objects as go
 
     ranks = [f"rank {r}" for r in range(len(shares_by_rank))]
-    colours = {"render": "#4c72b0", "update": "#55a868", "wait": "#c44e52"}
+    parts = [p for p in PARTS if p != "update thread" or any(s[p] > 0 for s in shares_by_rank)]
     fig = go.Figure([go.Bar(name=part, y=ranks, x=[100 * s[part] for s in shares_by_rank], orientation="h",
-                            marker_color=colours[part]) for part in PARTS])
-    fig.update_layout(barmode="stack", height=80 + 30 * len(ranks), margin=dict(l=10, r=10, t=10, b=10),
-                      xaxis=dict(range=[0, 100], title="% of wall"), legend=dict(orientation="h", y=-0.6),
-                      yaxis=dict(autorange="reversed"))
+                            marker_color=COLOURS[part]) for part in parts])
+    longest = max([100.0] + [100 * sum(s[p] for p in parts) for s in shares_by_rank])
+    fig.update_layout(barmode="stack", height=chart_height(len(ranks)), margin=dict(l=4, r=4, t=22, b=4),
+                      xaxis=dict(range=[0, longest], ticksuffix="%", tickfont=dict(size=10)),
+                      yaxis=dict(autorange="reversed", tickfont=dict(size=10)),
+                      legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=10),
+                                  itemwidth=30, traceorder="normal"))
     return fig
 
 
-class ViewerPlotly(ViewerElement[None]):
-    """A plotly figure in the viewer (viser's `add_plotly`; nerfstudio has no such element)."""
+def chart_height(ranks: int) -> int:
+    """The chart's height in pixels: the legend's line, the axis, and a thin bar per rank."""
+    return 70 + 24 * ranks
 
-    def __init__(self, name: str, figure, aspect: float = 2.0):
+
+PANEL_WIDTH = 260  # about the pixels the viewer's control panel gives a plot
+
+
+class ViewerPlotly(ViewerElement[None]):
+    """A plotly figure in the viewer (viser's `add_plotly`; nerfstudio has no such element). viser's client makes
+    the plot as high as its width times `aspect` (whatever the figure's own height says)."""
+
+    def __init__(self, name: str, figure, aspect: float = 1.0):
         super().__init__(name)
         self.figure, self.aspect = figure, aspect
 
@@ -97,7 +113,8 @@ class OdinPanel(torch.nn.Module):
         self.rank_rows = [ViewerText(f"Rank {r}", "-", disabled=True) for r in range(world_size)]
         for r, row in enumerate(self.rank_rows):
             setattr(self, f"rank_{r:03d}", row)  # attributes, so that the viewer finds them (in rank order)
-        self.shares = ViewerPlotly("Render / wait", bar_chart([window_shares([])] * world_size))
+        self.shares = ViewerPlotly("Render / wait", bar_chart([window_shares([])] * world_size),
+                                   aspect=chart_height(world_size) / PANEL_WIDTH)
         self.stale_total = 0
 
     def show(self, step: int, phase: str, shares_by_rank: List[Dict[str, float]]) -> None:

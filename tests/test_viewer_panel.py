@@ -134,6 +134,9 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
         assert "rank 0" in driver.find_element(By.CSS_SELECTOR, ".js-plotly-plot").text
         shares = field(driver, "Rank 0")
         assert "wait" in shares and "%" in shares
+        # throughput-first's owners update beside the render: the update thread's share is shown
+        wait_for(lambda: any("on the update thread" in field(driver, f"Rank {r}") for r in (0, 1)), 60,
+                 "the update thread's share")
         phase = field(driver, "Phase")
         wait_for(lambda: field(driver, "Phase") != phase, 120, "the panel to update while training")
         assert field(driver, "Stale reads admitted").endswith("blocks")
