@@ -219,7 +219,7 @@ def test_throughput_plan_publishes_ahead_and_admits_only_inside_its_bounds():
     assert plan.overlap(5, 1, 0, 1) == 0.5
     assert not _jitter_plan(staleness=1, admit_overlap=0.4).schedule_admits(5, 1, 0, 1)
     # the exact plan is unchanged by all this: every read current, no update on a thread
-    assert all(a.stale == 0 and not a.early for a in _jitter_plan().actions(1))
+    assert all(a.stale == 0 and not a.on_thread for a in _jitter_plan().actions(1))
 
 
 def test_reads_one_version_behind_hide_alternating_imbalance():

@@ -201,14 +201,9 @@ class PhaseRunner:
         for o in plan.deps(step, me):
             blocks = plan.publish_blocks(step, o, me)
             at = torch.tensor(blocks, dtype=torch.int64)
-            p, tested = self.pos[o], False
-            while p is None or p < step - 1:
-                if p is not None and plan.schedule_admits(step, me, o, step - 1 - p):
-                    tested = True
-                    if self.admits(step, me, o, p, self.rel_seen[at]):
-                        break
-                p = plan.next_publication(o, me, plan.start - 2 if p is None else p, step - 1)
-                self._receive(o, p, step)
+            p, tested = plan.advance(step, me, o, self.pos[o],
+                                     admitted=lambda p: self.admits(step, me, o, p, self.rel_seen[at]),
+                                     take=lambda u: self._receive(o, u, step))
             self.pos[o] = p
             self.note_read(step, o, blocks, step - 1 - p, tested, self.rel_seen[at])
 
@@ -402,12 +397,8 @@ class PhaseRunner:
         out = {}
         for q in plan.readers(step, me):
             at = torch.tensor(plan.publish_blocks(step, me, q), dtype=torch.int64)
-            p = self.sim_pos[q]
-            while p is None or p < step - 1:
-                if p is not None and plan.schedule_admits(step, q, me, step - 1 - p) and \
-                        self.admits(step, q, me, p, self.rel_hist[p][at]):
-                    break
-                p = plan.next_publication(me, q, plan.start - 2 if p is None else p, step - 1)
+            p, _ = plan.advance(step, q, me, self.sim_pos[q],
+                                admitted=lambda p: self.admits(step, q, me, p, self.rel_hist[p][at]))
             self.sim_pos[q] = p
             out[q] = p == step - 1
         return out

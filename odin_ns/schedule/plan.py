@@ -29,7 +29,7 @@ The plan is plain data: `to_dict` gives JSON, `actions_text` a diffable listing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Action:
     version: Tuple[int, ...] = ()  # "W": the version each block must be at
     view: int = -1  # "R"
     stale: int = 0  # "W": how many versions behind the newest the read may be (throughput-first)
-    early: bool = False  # "U": on the owner's update thread, beside the render (throughput-first)
+    on_thread: bool = False  # "U": on the owner's update thread, beside the render (throughput-first)
 
     def __repr__(self) -> str:
         if self.kind == "R":
@@ -54,7 +54,7 @@ class Action:
             text = " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
             return text + (f" ~{self.stale}" if self.stale else "")
         if self.kind == "U":
-            return ("U~ " if self.early else "U ") + ",".join(f"b{b}" for b in self.blocks)
+            return ("U~ " if self.on_thread else "U ") + ",".join(f"b{b}" for b in self.blocks)
         arrow = "->"
         return f"{self.kind} " + ",".join(f"b{b}" for b in self.blocks) + f"{arrow}r{self.peer}"
 
@@ -183,6 +183,26 @@ class PhasePlan:
                 return u
         return None
 
+    def advance(self, step: int, reader: int, owner: int, pos: int | None,
+                admitted: Callable[[int], bool] | None = None,
+                take: Callable[[int], None] | None = None) -> Tuple[int, bool]:
+        """`reader`'s read of `owner`'s blocks at `step`: from `pos` (the last publication of the owner's it took
+        this phase; None: none yet), the owner's next publications in order until the read is current (update
+        step-1) or admitted behind: the plan's test (`schedule_admits`) and, where given, the runtime's evidence
+        (`admitted(pos)`). `take(update)` is called for each publication taken. Returns the update the read
+        renders and whether an admission test ran. The one rule shared by the runtime's validate, an owner's
+        replay of its readers' decisions and the plan's own action lists."""
+        tested = False
+        while pos is None or pos < step - 1:
+            if pos is not None and self.schedule_admits(step, reader, owner, step - 1 - pos):
+                tested = True
+                if admitted is None or admitted(pos):
+                    break
+            pos = self.next_publication(owner, reader, self.start - 2 if pos is None else pos, step - 1)
+            if take is not None:
+                take(pos)
+        return pos, tested
+
     def versions(self) -> List[List[int]]:
         """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""
         current = [0] * self.num_blocks
@@ -214,20 +234,15 @@ class PhasePlan:
                     k = step - 1 - own
                     out.append(Action("W", step, rank, blocks, tuple(versions[i - k][b] for b in blocks), stale=k))
             for o in self.deps(step, rank):
-                p = pos[o]
-                while p is None or p < step - 1:
-                    if p is not None and self.schedule_admits(step, rank, o, step - 1 - p):
-                        break
-                    p = self.next_publication(o, rank, self.start - 2 if p is None else p, step - 1)
-                pos[o] = p
-                k = step - 1 - p
+                pos[o], _ = self.advance(step, rank, o, pos[o])
+                k = step - 1 - pos[o]
                 blocks = tuple(self.publish_blocks(step, o, rank))
                 out.append(Action("W", step, o, blocks, tuple(versions[i - k][b] for b in blocks), stale=k))
             for v in self.rank_views(step, rank):
                 out.append(Action("R", step, view=v))
             for o in self.deps(step, rank):
                 out.append(Action("G", step, o, tuple(sorted({b for _, b in self.grad_entries(step, rank, o)}))))
-            out.append(Action("U", step, blocks=tuple(sorted(self._touched[i] & owned)), early=self.staleness > 0))
+            out.append(Action("U", step, blocks=tuple(sorted(self._touched[i] & owned)), on_thread=self.staleness > 0))
             for q in self.pub_readers(step, rank):
                 out.append(Action("P", step, q, tuple(self.pub_blocks(step, rank, q))))
             if self.barrier:

@@ -114,7 +114,7 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             progressed |= run_lane(r)
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                if a.kind == "U" and a.early:
+                if a.kind == "U" and a.on_thread:
                     queued[r].append((a, clock[r]))
                     _, _, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
                     clock[r] += overhead  # the render thread's own bookkeeping of the step
@@ -195,7 +195,7 @@ def parse_action(text: str, step: int) -> Action:
         return Action("W", step, int(peer), tuple(int(b.lstrip("b")) for b, _ in pairs),
                       tuple(int(v) for _, v in pairs), stale=int(stale or 0))
     if kind in ("U", "U~"):
-        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b), early=kind == "U~")
+        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b), on_thread=kind == "U~")
     if kind in ("G", "P"):
         blocks, _, peer = rest.rpartition("->r")
         return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b))
