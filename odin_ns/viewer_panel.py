@@ -40,7 +40,8 @@ def window_shares(records: List[dict]) -> Dict[str, float]:
 
 def describe(shares: Dict[str, float]) -> str:
     beside = f" (+{shares['update thread']:.0%} on the update thread)" if shares["update thread"] > 0 else ""
-    return (f"render {shares['render']:.0%}, update {shares['update']:.0%}{beside}, wait {shares['wait']:.0%} "
+    # render and wait first: the panel's field shows the first 25 characters or so
+    return (f"render {shares['render']:.0%}, wait {shares['wait']:.0%}, update {shares['update']:.0%}{beside} "
             f"of {shares['wall_s']:.1f} s over {shares['steps']} steps")
 
 
