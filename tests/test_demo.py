@@ -4,6 +4,7 @@ three policies side by side): the pictures exist, the table has the three polici
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 from matplotlib.image import imread
@@ -28,6 +29,7 @@ def test_demo_trains_two_ranks_and_shows_the_result(tmp_path):
         assert imread(picture).shape[0] > 100, picture
     assert f"ns-viewer --load-config {run / 'config.yml'}" in proc.stdout
     assert f"ns-export gaussian-splat --load-config {run / 'config.yml'}" in proc.stdout
+    assert re.search(r"odin-demo: done in \d+ min \d+ s", proc.stdout)
     # the run of 2 ranks: its stats say so
     stats = json.loads((run / "odin_stats.json").read_text())
     assert stats["summary"]["ranks"] == 2

@@ -167,6 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     CONSOLE.print(f"  ns-viewer --load-config {config}", soft_wrap=True)
     CONSOLE.print(f"  ns-export gaussian-splat --load-config {config} --output-dir {run / 'export'}", soft_wrap=True)
     CONSOLE.print(f"  ns-eval --load-config {config} --output-path {run / 'eval.json'}", soft_wrap=True)
+    minutes, seconds = divmod(round(time.perf_counter() - started), 60)
+    CONSOLE.print(f"odin-demo: done in {minutes} min {seconds} s")
     return 0
 
 
