@@ -33,7 +33,7 @@ def window_shares(records: List[dict]) -> Dict[str, float]:
     wall = sum(r["wall_s"] for r in records)
     seconds = {"render": sum(r["compute_s"] for r in records), "update": sum(r["update_s"] for r in records),
                "wait": sum(sum(r["wait_s"].values()) for r in records),
-               "update thread": sum(r.get("background_s", {}).get("update", 0.0) for r in records)}
+               "update thread": sum(r["background_s"]["update"] for r in records)}
     return {**{part: s / wall if wall > 0 else 0.0 for part, s in seconds.items()}, "wall_s": wall,
             "steps": len(records), "stale_admitted": sum(e["blocks"] for r in records for e in r["stale_reads"])}
 
@@ -55,7 +55,7 @@ def bar_chart(shares_by_rank: List[Dict[str, float]]):
     fig = go.Figure([go.Bar(name=part, y=ranks, x=[100 * s[part] for s in shares_by_rank], orientation="h",
                             marker_color=COLOURS[part]) for part in parts])
     longest = max([100.0] + [100 * sum(s[p] for p in parts) for s in shares_by_rank])
-    fig.update_layout(barmode="stack", height=chart_height(len(ranks)), margin=dict(l=4, r=4, t=22, b=4),
+    fig.update_layout(barmode="stack", height=70 + 24 * len(ranks), margin=dict(l=4, r=4, t=22, b=4),
                       xaxis=dict(range=[0, longest], ticksuffix="%", tickfont=dict(size=10)),
                       yaxis=dict(autorange="reversed", tickfont=dict(size=10)),
                       legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=10),
@@ -63,21 +63,18 @@ def bar_chart(shares_by_rank: List[Dict[str, float]]):
     return fig
 
 
-def chart_height(ranks: int) -> int:
-    """The chart's height in pixels: the legend's line, the axis, and a thin bar per rank."""
-    return 70 + 24 * ranks
-
-
 PANEL_WIDTH = 260  # about the pixels the viewer's control panel gives a plot
 
 
 class ViewerPlotly(ViewerElement[None]):
     """A plotly figure in the viewer (viser's `add_plotly`; nerfstudio has no such element). viser's client makes
-    the plot as high as its width times `aspect` (whatever the figure's own height says)."""
+    the plot as high as its width times `aspect`, whatever the figure's own height says: the aspect is taken
+    from that height and the panel's width (square for a figure without a height)."""
 
-    def __init__(self, name: str, figure, aspect: float = 1.0):
+    def __init__(self, name: str, figure):
         super().__init__(name)
-        self.figure, self.aspect = figure, aspect
+        self.figure = figure
+        self.aspect = figure.layout.height / PANEL_WIDTH if figure.layout.height else 1.0
 
     def _create_gui_handle(self, viser_server) -> None:
         self.gui_handle = viser_server.gui.add_plotly(self.figure, aspect=self.aspect)
@@ -114,8 +111,7 @@ class OdinPanel(torch.nn.Module):
         self.rank_rows = [ViewerText(f"Rank {r}", "-", disabled=True) for r in range(world_size)]
         for r, row in enumerate(self.rank_rows):
             setattr(self, f"rank_{r:03d}", row)  # attributes, so that the viewer finds them (in rank order)
-        self.shares = ViewerPlotly("Render / wait", bar_chart([window_shares([])] * world_size),
-                                   aspect=chart_height(world_size) / PANEL_WIDTH)
+        self.shares = ViewerPlotly("Render / wait", bar_chart([window_shares([])] * world_size))
         self.stale_total = 0
 
     def show(self, step: int, phase: str, shares_by_rank: List[Dict[str, float]]) -> None:

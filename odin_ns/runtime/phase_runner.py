@@ -202,7 +202,7 @@ class PhaseRunner:
             blocks = plan.publish_blocks(step, o, me)
             at = torch.tensor(blocks, dtype=torch.int64)
             p, tested = plan.advance(step, me, o, self.pos[o],
-                                     admitted=lambda p: self.admits(step, me, o, p, self.rel_seen[at]),
+                                     admitted=lambda pos: self.admits(step, me, o, pos, self.rel_seen[at]),
                                      take=lambda u: self._receive(o, u, step))
             self.pos[o] = p
             self.note_read(step, o, blocks, step - 1 - p, tested, self.rel_seen[at])
@@ -398,7 +398,7 @@ class PhaseRunner:
         for q in plan.readers(step, me):
             at = torch.tensor(plan.publish_blocks(step, me, q), dtype=torch.int64)
             p, _ = plan.advance(step, q, me, self.sim_pos[q],
-                                admitted=lambda p: self.admits(step, q, me, p, self.rel_hist[p][at]))
+                                admitted=lambda pos: self.admits(step, q, me, pos, self.rel_hist[pos][at]))
             self.sim_pos[q] = p
             out[q] = p == step - 1
         return out
