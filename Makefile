@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	{ $(PY) -m pip install --quiet uv -c constraints.txt && \
-	  $(VENV)/bin/uv pip install --python $(PY) --quiet -e '.[test]' -c constraints.txt; } || \
+	  $(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e '.[test]' -c constraints.txt; } || \
 	  $(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
 	$(PY) -m odin_ns.compat.install_pth
 	@$(MAKE) --no-print-directory system-deps

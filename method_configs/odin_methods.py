@@ -77,3 +77,4 @@ def _spec(policy: str) -> MethodSpecification:
 odin = _spec("quality")
 odin_throughput = _spec("throughput")
 odin_barrier = _spec("barrier")
+METHODS = {"odin": odin, "odin-throughput": odin_throughput, "odin-barrier": odin_barrier}

@@ -26,13 +26,14 @@ from nerfstudio.models.splatfacto import (
     RGB2SH,
     SplatfactoModel,
     SplatfactoModelConfig,
-    get_viewmat,
     num_sh_bases,
     random_quat_tensor,
 )
 from nerfstudio.utils.rich_utils import CONSOLE
 
+from odin_ns.image_metrics import PSNR
 from odin_ns.render import rasterization
+from odin_ns.render.viewmat import get_viewmat
 
 GAUSSIAN_PARAMS = ("means", "scales", "quats", "features_dc", "features_rest", "opacities")
 
@@ -54,6 +55,17 @@ class OdinModelConfig(SplatfactoModelConfig):
     _target: Type = field(default_factory=lambda: OdinModel)
 
 
+def nearest_distances(points: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, k] distances from each point to its k nearest others (splatfacto's initial scales), with scipy's k-d tree:
+    what splatfacto's `k_nearest_sklearn` computes, without importing scikit-learn (a second of every rank's
+    start-up; scipy is loaded already)."""
+    from scipy.spatial import cKDTree
+
+    x = points.detach().cpu().numpy()
+    distances, _ = cKDTree(x).query(x, k=k + 1)
+    return torch.from_numpy(distances[:, 1:].astype("float32"))
+
+
 def lpips_weights_available() -> bool:
     """True when torchvision's AlexNet weights (what LPIPS builds on) are already in the torch hub cache."""
     checkpoints = os.path.join(torch.hub.get_dir(), "checkpoints")
@@ -71,8 +83,8 @@ class OdinModel(SplatfactoModel):
             means = torch.nn.Parameter(self.seed_points[0].float())
         else:
             means = torch.nn.Parameter((torch.rand((self.config.num_random, 3)) - 0.5) * self.config.random_scale)
-        distances, _ = self.k_nearest_sklearn(means.data, 3)
-        avg_dist = torch.from_numpy(distances).mean(dim=-1, keepdim=True)
+        distances = nearest_distances(means.data, 3)
+        avg_dist = distances.mean(dim=-1, keepdim=True)
         scales = torch.nn.Parameter(torch.log(avg_dist.repeat(1, 3)))
         num_points = means.shape[0]
         quats = torch.nn.Parameter(random_quat_tensor(num_points))
@@ -108,14 +120,12 @@ class OdinModel(SplatfactoModel):
     def _populate_common(self) -> None:
         """The rest of splatfacto's set-up (metrics, background, densification strategy), minus LPIPS's download."""
         from pytorch_msssim import SSIM
-        from torchmetrics.image import PeakSignalNoiseRatio
-
         from gsplat.strategy import DefaultStrategy
         from nerfstudio.model_components.lib_bilagrid import BilateralGrid
         from nerfstudio.utils.colors import get_color
 
         self.camera_optimizer = self.config.camera_optimizer.setup(num_cameras=self.num_train_data, device="cpu")
-        self.psnr = PeakSignalNoiseRatio(data_range=1.0)
+        self.psnr = PSNR(data_range=1.0)
         self.ssim = SSIM(data_range=1.0, size_average=True, channel=3)
         self.lpips = None
         if lpips_weights_available():

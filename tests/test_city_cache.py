@@ -68,21 +68,26 @@ def test_cache_is_reused_and_repaired(tmp_path, monkeypatch):
 
 
 _WORKER = r"""
-import contextlib, sys, time
+import contextlib, os, sys, time
+from pathlib import Path
 from odin_ns.data import city_cache
 from odin_ns.data.city_scene import CityConfig
 
-start, nolock = float(sys.argv[1]), sys.argv[2] == "nolock"
+start, nolock, meet = float(sys.argv[1]), sys.argv[2] == "nolock", Path(sys.argv[3])
 cfg = CityConfig(width=32, height=24, num_street_cameras=4, num_aerial_cameras=1, num_points=200)
 if nolock:
-    # No working locks (e.g. some network file systems): both generate, the renames race.
+    # No working locks (e.g. some network file systems): both generate, and their renames race. Each process
+    # waits inside the generation until the other has entered it too, so both always generate.
     city_cache._flock = lambda path: contextlib.nullcontext(False)
     real = city_cache.render_city
-    def slow(*a, **k):
+    def meeting(*a, **k):
         out = real(*a, **k)
-        time.sleep(1.0)
+        (meet / str(os.getpid())).touch()
+        deadline = time.time() + 60
+        while len(list(meet.iterdir())) < 2 and time.time() < deadline:
+            time.sleep(0.05)
         return out
-    city_cache.render_city = slow
+    city_cache.render_city = meeting
 while time.time() < start:
     time.sleep(0.005)
 log = lambda msg: print("GENERATED", flush=True)
@@ -94,8 +99,10 @@ print("PATH", city_cache.ensure_city(cfg, log=log), flush=True)
 def test_two_processes_generate_one_valid_cache(tmp_path, mode):
     env = dict(os.environ, ODIN_NS_CACHE=str(tmp_path))
     start = time.time() + 2.0
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(start), mode], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(start), mode, str(meet)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
@@ -103,13 +110,12 @@ def test_two_processes_generate_one_valid_cache(tmp_path, mode):
     folder = tmp_path / f"city-{TINY.key()}"
     assert paths == {str(folder)}
     generated = sum(out.count("GENERATED") for out, _ in outs)
-    if mode == "lock":
-        assert generated == 1  # the second process waited on the lock and reused the first one's work
-    else:
-        assert generated in (1, 2)
+    # with the lock the second process waits and reuses the first one's work; without, both generate and one
+    # rename loses the race (its identical copy is dropped)
+    assert generated == (1 if mode == "lock" else 2)
     assert city_cache.check_dataset(folder, TINY) is None
     # Nothing half-written left behind.
-    assert [e for e in _entries(tmp_path) if not e.endswith(".lock")] == [folder.name]
+    assert [e for e in _entries(tmp_path) if not e.endswith(".lock") and e != "meet"] == [folder.name]
     # And it is byte-identical to a fresh generation.
     other = city_cache.ensure_city(TINY, root=tmp_path / "fresh")
     for f in sorted(p for p in other.rglob("*") if p.is_file()):

@@ -48,3 +48,24 @@ def test_a_crash_keeps_everything():
     assert not f.quiet_end
     assert "a thread of rank 0 failed" in text and "ChildFailedError" in text and "rank      : 1" in text
     assert "closing signal SIGTERM" in text
+
+
+def test_ranks_that_lost_their_peers_elsewhere_are_summed_up_by_the_launcher():
+    """Another node went away: every rank here says so in one line; the launcher holds those lines back and says
+    what happened once (train.peers_lost), dropping torchrun's report. A rank killed here is the failure instead."""
+    from odin_ns.cli.train import failed_ranks, peers_lost
+
+    lost = "odin: rank {}: lost the connection to the other ranks (Connection closed by peer [127.0.0.1]:4)\n"
+    f, _ = run(lost.format(2) + lost.format(3) + TORCHRUN_REPORT.replace("rank      : 1", "rank      : 2"))
+    assert f.lost_ranks == {2, 3} and "lost the connection" not in _
+    assert failed_ranks(TORCHRUN_REPORT) == [1]
+    assert peers_lost(f, 2, "rank      : 2 (local_rank: 0)\n") and not peers_lost(f, 2, TORCHRUN_REPORT)
+    assert peers_lost(f, 2, "no summary: torchrun lost the rendezvous store") and not peers_lost(f, 3, "")
+    f.peers_lost = True
+    out = io.StringIO()
+    quiet = StderrFilter(out)
+    for line in io.StringIO(lost.format(0) + TORCHRUN_REPORT):
+        quiet.feed(line)
+    quiet.peers_lost = True
+    quiet.finish()
+    assert "ChildFailedError" not in out.getvalue() and "Traceback" not in out.getvalue()

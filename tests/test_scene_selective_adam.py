@@ -333,22 +333,3 @@ def test_nerfstudio_config_and_optimizers_wrapper():
         opts.zero_grad_all()
     assert (p[vis] != 0).all() and (p[~vis] == 0).all() and (q[~vis] == 0).all()
     assert o.param_groups[0]["lr"] < 1e-2  # the scheduler drives SelectiveAdam like Adam
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_kernel_matches_pytorch_path():
-    pytest.importorskip("gsplat.cuda._wrapper").__dict__.get("adam") or pytest.skip("gsplat < 1.5")
-    init = make_params(dtype=torch.float32)
-    a = {k: torch.nn.Parameter(v.cuda()) for k, v in init.items()}
-    b = {k: torch.nn.Parameter(v.cuda()) for k, v in init.items()}
-    oa, ob = SelectiveAdam(list(a.values()), lr=1e-2), SelectiveAdam(list(b.values()), lr=1e-2, fused=True)
-    n = init["means"].shape[0]
-    for t in range(10):
-        for k, g in grads_at(t, init).items():
-            a[k].grad, b[k].grad = g.cuda(), g.cuda()
-        vis = mask_at(t, n).cuda()
-        oa.step(vis)
-        ob.step(vis)
-    for k in init:
-        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5)

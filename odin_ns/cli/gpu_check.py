@@ -1,7 +1,7 @@
 """`make gpu-check`: the checks of the CUDA path a person runs on a CUDA machine, with absolute figures.
 
 1. the cuda-marked tests: gsplat's kernels against the CPU rasterizer on one scene, one rank training on the GPU,
-   NCCL ranks equal to one process (with a GPU per rank), gsplat's fused Adam against selective Adam;
+   NCCL ranks equal to one process (with a GPU per rank);
 2. a short `odin-bench train` of the policies on NCCL ranks (2 GPUs or more; NCCL refuses two ranks on one GPU).
 Without CUDA it says so in one line and exits 0: nothing here can be checked on a CPU.
 """

@@ -15,6 +15,7 @@ from typing import List, TextIO
 
 USER_ERROR = "odin: error:"
 STOPPED = "odin: stopped"
+LOST = re.compile(r"^odin: rank (\d+): lost the connection to the other ranks")
 # torchrun's own log lines (its logger's prefix names the module) and the ranks' notices when it tears them down
 TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ .*torch/distributed/|^odin: rank \d+: stopped by the launcher")
 TRACEBACK = "Traceback (most recent call last)"
@@ -31,12 +32,19 @@ class StderrFilter:
         self.held: List[str] = []
         self.logs: List[str] = []  # torchrun's log lines and the ranks' notices when it tears them down
         self.holding = False  # from the first traceback on, lines wait for the end (they may be torchrun's report)
+        self.lost: List[str] = []  # ranks' notices that their peers are gone (summed up by the launcher)
+        self.lost_ranks: set = set()
 
     def feed(self, line: str) -> None:
         if line.startswith(USER_ERROR):
             if line not in self.errors:
                 self.errors.append(line)
                 self._write(line)
+            return
+        lost = LOST.match(line)
+        if lost:
+            self.lost_ranks.add(int(lost.group(1)))
+            self.lost.append(line)
             return
         if line.startswith(STOPPED):
             self.stopped = True
@@ -54,8 +62,11 @@ class StderrFilter:
 
     @property
     def quiet_end(self) -> bool:
-        """The job ended the way a user expects (their mistake, said in one line, or a clean stop)."""
-        return bool(self.errors) or self.stopped
+        """The job ended the way a user expects (their mistake, said in one line, or a clean stop), or its ranks here
+        lost their peers (what failed is elsewhere: its own launcher reports it)."""
+        return bool(self.errors) or self.stopped or self.peers_lost
+
+    peers_lost = False  # set by the launcher when every rank here ended with a lost-connection notice
 
     def finish(self) -> None:
         """Everything held back is written, unless the job ended quietly: then torchrun's report and log lines are
@@ -68,6 +79,8 @@ class StderrFilter:
         if not self.quiet_end:
             blocks.append(self.logs)
         for block in blocks:
+            if self.peers_lost:
+                continue  # torchrun's report, or its own traceback when the lost node held the rendezvous store
             if not self.quiet_end or not any(TORCHRUN_REPORT in line for line in block):
                 for line in block:
                     self._write(line)

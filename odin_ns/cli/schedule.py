@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from odin_ns.errors import OdinInputError
+from odin_ns.schedule.conformance import check_lists
 from odin_ns.schedule.costs import costs_from_stats, model_costs
 from odin_ns.schedule.plan import PhasePlan, dependency_pairs
 from odin_ns.schedule.simulate import Costs, Deadlock, Prediction, parse_action, simulate
@@ -42,15 +43,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _method_config(training: List[str]):
-    import tyro
-
-    from nerfstudio.configs.method_configs import AnnotatedBaseConfigUnion
-
+    from odin_ns.cli.config_union import parse_odin_config
     from odin_ns.trainer import OdinTrainerConfig
 
     if not training or training[0] not in METHODS:
         training = ["odin"] + training
-    config = tyro.cli(AnnotatedBaseConfigUnion, args=training, prog="odin-schedule [options] METHOD")
+    config = parse_odin_config(training, "odin-schedule [options] METHOD")
     if not isinstance(config, OdinTrainerConfig):
         raise OdinInputError(f"method {config.method_name!r} is not an odin method (odin, odin-throughput, "
                              "odin-barrier)")
@@ -111,40 +109,57 @@ def _actions_json(plan: PhasePlan) -> Dict[str, List[str]]:
     return {str(r): [f"{a.step}: {a!r}" for a in plan.actions(r)] for r in range(plan.num_ranks)}
 
 
+def _given_lists(path: Path, index: int, plan: PhasePlan, given) -> Dict[int, List]:
+    """The hand-written lists of one phase ({"RANK": ["STEP: ACTION", ...]}), parsed; bad input is one line."""
+    where = f"--check {path}: phase {index}"
+    if not isinstance(given, dict):
+        raise OdinInputError(f"{where}: 'actions' must map each rank to its list of 'STEP: ACTION' strings "
+                             f"(got a {type(given).__name__})")
+    per_rank = {}
+    for key, texts in given.items():
+        if not str(key).isdigit():
+            raise OdinInputError(f"{where}: {key!r} is not a rank number")
+        if not isinstance(texts, list):
+            raise OdinInputError(f"{where}: rank {key}: its actions must be a list (got a {type(texts).__name__})")
+        acts = []
+        for text in texts:
+            step, sep, body = str(text).partition(":")
+            try:
+                if not sep or not step.strip().lstrip("-").isdigit():
+                    raise ValueError(f"{text!r} is not 'STEP: ACTION'")
+                acts.append(parse_action(body, int(step)))
+            except (ValueError, IndexError) as exc:
+                raise OdinInputError(f"{where}: rank {key}: {exc}") from None
+        per_rank[int(key)] = acts
+    return per_rank
+
+
 def check_file(path: Path) -> int:
-    """Replay a schedule JSON; its "actions" (if any) replace the lists its plans imply."""
+    """Replay a schedule JSON; its "actions" (if any) replace the lists its plans imply, and must be those lists
+    (in any order a rank can run): anything else, or lists that deadlock, is refused in one line."""
     try:
         data = json.loads(path.read_text())
         plans = [PhasePlan.from_dict(p) for p in data["phases"]]
     except FileNotFoundError:
         raise OdinInputError(f"--check {path}: no such file") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise OdinInputError(f"--check {path}: not a schedule JSON written by odin-schedule --json ({exc})") from None
+    if not plans:
+        raise OdinInputError(f"--check {path}: the schedule has no phase")
     lists = []
-    for p, plan in zip(data["phases"], plans):
+    for i, (p, plan) in enumerate(zip(data["phases"], plans)):
         given = p.get("actions")
-        if not given:
-            lists.append({r: plan.actions(r) for r in range(plan.num_ranks)})
-            continue
-        per_rank = {}
-        for r in range(plan.num_ranks):
-            acts = []
-            for text in given.get(str(r), []):
-                step, sep, body = str(text).partition(":")
-                try:
-                    if not sep:
-                        raise ValueError(f"{text!r} is not 'STEP: ACTION'")
-                    acts.append(parse_action(body, int(step)))
-                except ValueError as exc:
-                    raise OdinInputError(f"--check {path}: rank {r}: {exc}") from None
-            per_rank[r] = acts
-        lists.append(per_rank)
+        lists.append({r: plan.actions(r) for r in range(plan.num_ranks)} if given is None
+                     else _given_lists(path, i, plan, given))
+    problem = check_lists(plans, lists)
+    if problem is not None:
+        raise OdinInputError(f"--check {path}: not the plan's program: {problem}")
     costs = Costs(render=lambda v: 0.01)
     try:
         pred = simulate(plans, costs, lists)
     except Deadlock as exc:
         raise OdinInputError(f"--check {path}: {exc}") from None
-    print(f"odin-schedule: {path}: {len(plans)} phase(s) on {plans[0].num_ranks if plans else 0} ranks replay "
+    print(f"odin-schedule: {path}: {len(plans)} phase(s) on {plans[0].num_ranks} ranks are the plan's and replay "
           f"without deadlock (wall {pred.wall_s:.2f} s at 10 ms per view)")
     return 0
 

@@ -1,7 +1,7 @@
 """`odin-train`: launch N ranks of an odin method on this machine (or join a multi-node job) through torchrun.
 
     odin-train --ranks 2 odin-barrier --max-num-iterations 1000
-    odin-train --ranks 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host:29400 odin --data DIR
+    odin-train --ranks 4 --nnodes 2 --rdzv-endpoint host:29400 odin --data DIR     # the same on every node
 
 Everything after the method name is an `ns-train` argument. torchrun's own flags given before the method
 (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, `--rdzv-backend`, `--rdzv-id`, `--master-addr`,
@@ -103,9 +103,19 @@ def build_command(ranks: int, torchrun_args: List[str], training: List[str]) -> 
                                    "--master_addr")) for a in torchrun_args)
     if not multi_node and _flag_value(torchrun_args, "--master-port") is None:
         cmd.append("--standalone")  # a free port, chosen by torchrun
+    rendezvous = any(a.startswith(("--rdzv-endpoint", "--rdzv_endpoint")) for a in torchrun_args)
+    if rendezvous and not any(a.startswith(("--rdzv-backend", "--rdzv_backend")) for a in torchrun_args):
+        # torchrun's default (static) rendezvous needs a distinct --node-rank on every node; c10d's gives every
+        # node the same command, started at any time within the rendezvous timeout
+        cmd.append("--rdzv-backend=c10d")
     cmd += torchrun_args
     cmd += ["-m", "odin_ns.cli.worker"] + training
     return cmd
+
+
+def failed_ranks(log_tail: str) -> List[int]:
+    """Every rank torchrun's error summary lists as failed."""
+    return [int(r) for r in re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank:", log_tail)]
 
 
 def failed_rank(log_tail: str) -> Optional[str]:
@@ -113,6 +123,17 @@ def failed_rank(log_tail: str) -> Optional[str]:
     root = log_tail.rfind("Root Cause")
     match = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", log_tail[root:] if root >= 0 else log_tail)
     return match.group(1) if match else None
+
+
+def peers_lost(output: StderrFilter, local_ranks: int, log_tail: str) -> bool:
+    """Did this node's ranks fail only because their peers elsewhere went away? Every local rank said so, or every
+    rank torchrun lists as failed here did (a rank killed here says nothing: it is the failure)."""
+    if not output.lost_ranks:
+        return False
+    failed = failed_ranks(log_tail)
+    if failed:
+        return set(failed) <= output.lost_ranks
+    return len(output.lost_ranks) >= local_ranks
 
 
 class Interrupts:
@@ -175,6 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             tail.append(line)
             del tail[:-200]
         code = proc.wait()
+        output.peers_lost = code != 0 and peers_lost(output, ranks, "".join(tail))
         output.finish()
     finally:
         signal.signal(signal.SIGINT, previous[0])
@@ -188,8 +210,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_INTERRUPTED
     if output.errors:
         return 1
+    if output.peers_lost:
+        print(f"odin: error: the ranks on this node ({', '.join(map(str, sorted(output.lost_ranks)))}) lost their "
+              "connection to the rest of the job: another node's launcher or ranks stopped, or the network failed "
+              "(that node's launcher says which); every rank here has been stopped. The last complete checkpoint, if "
+              "any, is in the run's nerfstudio_models/ folder on the node that holds rank 0.", file=sys.stderr)
+        return code
     if code != 0:
-        rank = failed_rank("".join(tail))
+        # the rank that failed, not one that only lost its connection to it
+        culprits = [r for r in failed_ranks("".join(tail)) if r not in output.lost_ranks]
+        rank = str(culprits[0]) if culprits else failed_rank("".join(tail))
         who = f"rank {rank} failed" if rank is not None else "a rank failed"
         print(f"odin: error: {who} (exit {code}); every rank has been stopped. The last complete "
               "checkpoint, if any, is in the run's nerfstudio_models/ folder.", file=sys.stderr)

@@ -14,14 +14,13 @@ import sys
 from typing import List, Optional
 
 import torch.distributed as dist
-import tyro
-
-from nerfstudio.configs.method_configs import AnnotatedBaseConfigUnion
 from nerfstudio.utils.rich_utils import CONSOLE
+
+from odin_ns.cli.config_union import parse_odin_config
 
 from odin_ns.errors import OdinInputError
 from odin_ns.runtime.config_check import check_same_config
-from odin_ns.runtime.dist_env import init_distributed
+from odin_ns.runtime.dist_env import init_distributed, say_lost_peer
 from odin_ns.trainer import OdinTrainerConfig, check_device
 
 
@@ -30,13 +29,21 @@ def parse(args: List[str], first_rank: bool):
     launcher recognises as the user's mistake (and so keeps torchrun's failure report to itself)."""
     try:
         if first_rank:
-            return tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+            return parse_odin_config(args, "odin-train")
         with contextlib.redirect_stderr(io.StringIO()):
-            return tyro.cli(AnnotatedBaseConfigUnion, args=args, prog="odin-train")
+            return parse_odin_config(args, "odin-train")
     except SystemExit as exc:
         if exc.code not in (0, None) and not isinstance(exc, OdinInputError):
             raise SystemExit("odin: error: the arguments above are not valid (odin-train METHOD --help lists them)")
         raise
+
+
+def shared_timestamp(mine: str) -> str:
+    """Rank 0's run timestamp, for every rank: one output folder, however far apart the launchers on several nodes
+    started (each launcher stamps its own start time, and the configurations the ranks compare include it)."""
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -49,11 +56,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         config.pipeline.datamanager.data = config.data
     timestamp = os.environ.get("ODIN_TIMESTAMP")
     if timestamp:
-        config.timestamp = timestamp  # one output folder for all ranks
+        config.timestamp = timestamp
     check_device(config.machine.device_type)
     env = init_distributed(config.machine.device_type, config.pipeline.dist_timeout_s)
     config.set_timestamp()
     if env.distributed:
+        config.timestamp = shared_timestamp(config.timestamp)
         check_same_config(config, env.rank, env.world_size)
     if env.rank != 0:
         CONSOLE.quiet = True  # rank 0 speaks for the job; errors still reach stderr
@@ -61,9 +69,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         config.print_to_terminal()
         config.save_config()
         CONSOLE.log(f"odin: {env.world_size} rank(s), backend {env.backend}")
-    trainer = config.setup(local_rank=env.local_rank, world_size=env.world_size)
-    trainer.setup()
-    trainer.train()
+    try:
+        trainer = config.setup(local_rank=env.local_rank, world_size=env.world_size)
+        trainer.setup()
+        trainer.train()
+    except Exception as exc:
+        if env.distributed and say_lost_peer(env.rank, exc):
+            os._exit(1)  # no teardown: collectives with the lost peers would block it
+        raise
     if env.distributed:
         dist.barrier()
         dist.destroy_process_group()

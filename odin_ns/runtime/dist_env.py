@@ -62,6 +62,36 @@ def install_termination_message(rank: int) -> None:
     signal.signal(signal.SIGTERM, _on_term)
 
 
+# what gloo, NCCL and the c10d store say when a peer process or its machine is gone
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+             "remote process exited", "Socket Timeout", "DistNetworkError")
+LOST_NOTICE = "lost the connection to the other ranks"
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """The transport's own first line when `exc` (or an exception it was raised from) says a peer is gone."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        if any(marker in text for marker in PEER_LOST):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return first.split("] ", 1)[-1][:200]  # without gloo's source location prefix
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def say_lost_peer(rank: int, exc: BaseException) -> bool:
+    """One line for a rank whose peers are gone (another rank or node stopped, the network failed), instead of a
+    traceback from deep inside a receive; the launcher sums these lines up. False if `exc` is something else."""
+    what = lost_peer(exc)
+    if what is None:
+        return False
+    sys.stderr.write(f"odin: rank {rank}: {LOST_NOTICE} ({what})\n")
+    sys.stderr.flush()
+    return True
+
+
 def init_distributed(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
     """Join the existing process group, or start one from torchrun's environment, or run alone."""
     if dist.is_available() and dist.is_initialized():

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from nerfstudio.cameras.cameras import Cameras
-from nerfstudio.models.splatfacto import get_viewmat, num_sh_bases
+from nerfstudio.models.splatfacto import num_sh_bases
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.render.projection import project
+from odin_ns.render.viewmat import get_viewmat
 from odin_ns.runtime.block_table import BlockTable, shard_bounds
 from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.phase_runner import PhaseRunner

@@ -28,5 +28,3 @@ class SelectiveAdamOptimizerConfig(OptimizerConfig):
     """Adam's bias correction (True: torch.optim.Adam when every row is visible; False: gsplat's kernel)."""
     require_visibility: bool = False
     """Make a step without a visibility mask an error instead of a dense update."""
-    fused: bool = False
-    """Use gsplat's CUDA kernel (gsplat >= 1.5) for CUDA parameters."""

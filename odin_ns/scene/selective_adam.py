@@ -60,8 +60,6 @@ class SelectiveAdam(torch.optim.Optimizer):
         lr, eps, betas: as torch.optim.Adam.
         bias_correction: Adam's bias correction (default) or gsplat's uncorrected kernel update.
         require_visibility: make `step()` without a mask an error instead of a dense update.
-        fused: use gsplat's CUDA kernel (gsplat >= 1.5) for CUDA parameters; numerically equivalent, not
-            bit-identical to the PyTorch path (the kernel fuses differently). Default False.
     """
 
     def __init__(
@@ -72,7 +70,6 @@ class SelectiveAdam(torch.optim.Optimizer):
         betas: Tuple[float, float] = (0.9, 0.999),
         bias_correction: bool = True,
         require_visibility: bool = False,
-        fused: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -83,7 +80,6 @@ class SelectiveAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, eps=eps, betas=tuple(betas), bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.require_visibility = require_visibility
-        self.fused = fused
         self.visibility: Optional[Tensor] = None
 
     @torch.no_grad()
@@ -133,9 +129,6 @@ class SelectiveAdam(torch.optim.Optimizer):
         else:
             bias1, bias2_sqrt = 1.0, 1.0
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        if self.fused and p.is_cuda:
-            _gsplat_adam(p, grad, m, v, visibility, lr, beta1, beta2, eps, bias1, bias2_sqrt)
-            return
         if rows is None:
             _adam_rows(p, grad, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt)
             return
@@ -153,23 +146,3 @@ def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (v.sqrt() / bias2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-(lr / bias1))
-
-
-def _gsplat_adam(p, g, m, v, visibility, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:
-    """gsplat's fused CUDA kernel. It has no bias correction, so it is folded into lr and eps:
-    (lr / b1) * m / (sqrt(v) / b2s + eps) == (lr * b2s / b1) * m / (sqrt(v) + eps * b2s).
-    Tensors are viewed as [N, D]: gsplat versions differ on whether the mask indexes dim 0 or all but the last."""
-    try:
-        from gsplat.cuda._wrapper import adam  # gsplat >= 1.5
-    except ImportError as e:  # pragma: no cover - depends on the installed gsplat
-        raise RuntimeError("SelectiveAdam(fused=True) needs gsplat >= 1.5 with its CUDA extension") from e
-    n = p.shape[0]
-    if p.numel() == 0:
-        return
-    valid = torch.ones(n, dtype=torch.bool, device=p.device) if visibility is None else (
-        visibility.reshape(-1).to(device=p.device) != 0
-    )
-    if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
-        raise RuntimeError("SelectiveAdam(fused=True) needs contiguous tensors")
-    adam(p.view(n, -1), g.view(n, -1), m.view(n, -1), v.view(n, -1), valid.contiguous(),
-         lr * bias2_sqrt / bias1, beta1, beta2, eps * bias2_sqrt)
