@@ -39,10 +39,11 @@ def atomic_save(obj, path: Path) -> None:
 
 
 def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
-                          moments: Dict[str, Dict[str, torch.Tensor]]) -> Path:
+                          moments: Dict[str, Dict[str, torch.Tensor]], resume: Dict | None = None) -> Path:
     """Rank 0: the checkpoint of the whole model (`full` params, `moments[name][key]` optimizer state).
 
-    Alone, `full` and `moments` are this process's own tensors; the file is then exactly nerfstudio's."""
+    Alone, `full` and `moments` are this process's own tensors; the file is then nerfstudio's, plus the "odin"
+    entry nerfstudio's tools ignore: the scene it was trained on and `resume` (the engine's `resume_state`)."""
     trainer.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     pipeline_state = trainer.pipeline.state_dict()
     for name in PARAM_NAMES:
@@ -62,7 +63,7 @@ def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
         "optimizers": optimizers,
         "schedulers": {k: v.state_dict() for k, v in trainer.optimizers.schedulers.items()},
         "scalers": trainer.grad_scaler.state_dict(),
-        "odin": {"scene": scene_identity(trainer)},
+        "odin": {"scene": scene_identity(trainer), "resume": resume},
     }, path)
     if trainer.config.save_only_latest_checkpoint:
         for old in trainer.checkpoint_dir.glob("*.ckpt"):

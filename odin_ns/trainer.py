@@ -222,9 +222,14 @@ class OdinTrainer(Trainer):
         for group, opt_state in state["optimizers"].items():
             if group in self.engine.param_names:
                 gaussian_groups[group] = opt_state["state"].get(0, {})
+                # the group's hyper-parameters as they were (the scheduled learning rate of the step saved: the
+                # scheduler sets the next one only after the next update)
+                saved = (opt_state.get("param_groups") or [{}])[0]
+                live = self.optimizers.optimizers[group].param_groups[0]
+                live.update({k: v for k, v in saved.items() if k != "params" and k in live})
             elif group in self.optimizers.optimizers:
                 self.optimizers.optimizers[group].load_state_dict(opt_state)
-        self.engine.adopt_full_model(gaussian_groups, self.optimizers)
+        self.engine.adopt_full_model(gaussian_groups, self.optimizers, state.get("odin", {}).get("resume"))
         if "schedulers" in state and self.config.load_scheduler:
             self.optimizers.load_schedulers(state["schedulers"])
         self.grad_scaler.load_state_dict(state["scalers"])
@@ -234,6 +239,7 @@ class OdinTrainer(Trainer):
         """Write a plain splatfacto checkpoint of the whole model on rank 0 (every rank takes part in the gather)."""
         full = self.engine.gather_full()
         states = self.engine.gather_optimizer_states(self.optimizers)
+        resume = self.engine.resume_state()
         if self.env.rank != 0:
             return
-        write_full_checkpoint(self, step, full, states)
+        write_full_checkpoint(self, step, full, states, resume)

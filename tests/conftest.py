@@ -68,6 +68,29 @@ def odin_train(ranks: int, method: str, args: List[str], out: Path, timeout: flo
     return proc
 
 
+class Runs:
+    """Trainings shared by the tests of a session: each distinct (ranks, method, arguments, environment) trains
+    once, and every test that checks something of that run reads the same outputs (they check different things
+    of it: the suite's time is mostly trainings)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done = {}
+
+    def get(self, ranks: int, method: str, args: List[str], extra_env=None) -> Path:
+        key = (ranks, method, tuple(args), tuple(sorted((extra_env or {}).items())))
+        if key not in self._done:
+            out = self.root / f"run{len(self._done)}-{method}-{ranks}r"
+            odin_train(ranks, method, list(args), out, extra_env=extra_env)
+            self._done[key] = out
+        return self._done[key]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"))
+
+
 def run_dir(out: Path) -> Path:
     """The single run folder (the one with config.yml) under an output dir."""
     configs = glob.glob(str(out / "**" / "config.yml"), recursive=True)

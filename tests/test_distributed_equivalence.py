@@ -2,25 +2,40 @@
 
 DESIGN.md semantics 1-3: step t renders every view of the global batch from the parameters after step t-1, sums
 the gradients in rank order and applies selective Adam. One rank with a micro-batch of N views is that reference;
-N ranks with one view each must give the same parameters and Adam moments, through densification, with the
-global barrier (`odin-barrier`) and without it (`odin`, quality-first: a rank waits only for the blocks its views
-read).
+N ranks with one view each (or two) must give the same parameters and Adam moments, through densification, with
+the global barrier (`odin-barrier`) and without it (`odin`, quality-first: a rank waits only for the blocks its
+views read), and a run resumed from a checkpoint (on the same or another rank count) must end where the run that
+never stopped ends.
+
+Every comparison reaches SH degree 3 inside its window (`--pipeline.model.sh-degree-interval 5`) and checks that
+every SH coefficient and its Adam moments are non-zero there: the paths that move only the parameter columns that
+changed (higher SH coefficients travel once they train) are compared on values, not on zeros. Runs are shared
+between tests that check different things of them (`conftest.Runs`).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST_TRAINING, FOX, TINY_CITY, last_checkpoint, odin_train, run_dir
+from conftest import FAST_TRAINING, FOX, TINY_CITY, last_checkpoint, run_dir
 
 GAUSS = ["means", "scales", "quats", "features_dc", "features_rest", "opacities"]
+SH = ["--pipeline.model.sh-degree-interval", "5"]  # SH degree 1 at step 5, 3 from step 15
+CITY = FAST_TRAINING + SH + ["--max-num-iterations", "32", "--pipeline.check-read-sets", "True"]
+KEEP = ["--steps-per-save", "7", "--save-only-latest-checkpoint", "False"]  # checkpoints at 7, 14, 21, 28, 31
 
 
-def _load(out):
-    return torch.load(last_checkpoint(out), map_location="cpu", weights_only=False)
+def load(out: Path, step: int | None = None):
+    path = last_checkpoint(out) if step is None else run_dir(out) / "nerfstudio_models" / f"step-{step:09d}.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def stats(out: Path):
+    return json.loads((run_dir(out) / "odin_stats.json").read_text())
 
 
 def assert_same_training(a, b):
@@ -34,99 +49,138 @@ def assert_same_training(a, b):
                 (name, key)
 
 
-def _stats(out):
-    return json.loads((run_dir(out) / "odin_stats.json").read_text())
+def assert_sh_trained(ckpt):
+    """Every SH coefficient of degree 1-3 and its Adam moments are non-zero in some Gaussian: what the comparison
+    compared was trained, not zeros both sides started with."""
+    rest = ckpt["pipeline"]["_model.gauss_params.features_rest"]
+    assert rest.shape[1] == 15, rest.shape
+    moments = ckpt["optimizers"]["features_rest"]["state"][0]
+    for name, tensor in (("values", rest), ("exp_avg", moments["exp_avg"]), ("exp_avg_sq", moments["exp_avg_sq"])):
+        per_coefficient = (tensor != 0).flatten(2).any(dim=2).any(dim=0)
+        assert per_coefficient.all(), f"SH {name} all zero for coefficients {torch.nonzero(~per_coefficient).tolist()}"
+
+
+def city(runs, ranks: int, method: str, *extra: str, micro_batch: int = 1, env=None) -> Path:
+    mb = ["--pipeline.micro-batch", str(micro_batch)] if micro_batch > 1 else []
+    return runs.get(ranks, method, CITY + list(extra) + mb + TINY_CITY, extra_env=env)
+
+
+def resumed(runs, ranks: int, method: str, source: Path, step: int, *extra: str, micro_batch: int = 1) -> Path:
+    """`method` resumed from `source`'s checkpoint at `step` and trained to the same last step (31)."""
+    folder = str(run_dir(source) / "nerfstudio_models")
+    mb = ["--pipeline.micro-batch", str(micro_batch)] if micro_batch > 1 else []
+    args = [a for a in CITY if a not in ("--max-num-iterations", "32")] + [
+        "--max-num-iterations", str(31 - step), "--load-dir", folder, "--load-step", str(step)]
+    return runs.get(ranks, method, args + list(extra) + mb + TINY_CITY)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_ranks_equal_one_process_on_city(tmp_path, ranks):
-    args = FAST_TRAINING + ["--max-num-iterations", "32", "--pipeline.check-read-sets", "True"]
-    # checkpoints (a gather of the whole model and its moments) along the way must not disturb training
-    odin_train(ranks, "odin-barrier", args + ["--steps-per-save", "7"] + TINY_CITY, tmp_path / "dist")
-    odin_train(ranks, "odin", args + TINY_CITY, tmp_path / "odin")
-    odin_train(1, "odin-barrier", args + ["--pipeline.micro-batch", str(ranks)] + TINY_CITY, tmp_path / "ref")
-    dist, ref = _load(tmp_path / "dist"), _load(tmp_path / "ref")
+def test_ranks_equal_one_process_on_city(runs, ranks):
+    # checkpoints along the way (a gather of the whole model and its moments, a phase boundary) must not disturb
+    # training: only the barrier run writes them
+    barrier = city(runs, ranks, "odin-barrier", *KEEP)
+    odin = city(runs, ranks, "odin")
+    ref = load(city(runs, 1, "odin-barrier", micro_batch=ranks))
+    dist = load(barrier)
+    assert_sh_trained(ref)
     assert_same_training(dist, ref)
-    assert_same_training(_load(tmp_path / "odin"), ref)
-    odin_stats, barrier_stats = _stats(tmp_path / "odin"), _stats(tmp_path / "dist")
+    assert_same_training(load(odin), ref)
+    odin_stats, barrier_stats = stats(odin), stats(barrier)
     assert odin_stats["summary"]["wait_s"]["barrier"] == 0.0 < barrier_stats["summary"]["wait_s"]["barrier"]
     assert odin_stats["summary"]["read_set_misses"] == 0
     assert odin_stats["summary"]["phases"] >= 3, "the compared steps should span several phases"
-    initial = 1500
     final = dist["pipeline"]["_model.gauss_params.means"].shape[0]
-    assert final != initial, "densification did not run within the compared steps"
-    stats = _stats(tmp_path / "dist")
-    owned = stats["summary"]["peak_gaussians_owned"]
+    assert final != 1500, "densification did not run within the compared steps"
+    owned = barrier_stats["summary"]["peak_gaussians_owned"]
     assert len(owned) == ranks and all(0 < o < final for o in owned), owned
-    assert stats["summary"]["bytes_sent"] > 0
-    assert stats["summary"]["read_set_misses"] == 0  # owners found no kept Gaussian outside a view's read set
-    assert any(r["blocks_read"] < r["blocks_total"] for r in stats["steps"]), "read sets never excluded a block"
-    blocks = [r["blocks_total"] for r in stats["steps"] if r["rank"] == 0]
+    assert barrier_stats["summary"]["bytes_sent"] > 0
+    assert barrier_stats["summary"]["read_set_misses"] == 0  # owners found no kept Gaussian outside a read set
+    steps = barrier_stats["steps"]
+    assert any(r["blocks_read"] < r["blocks_total"] for r in steps), "read sets never excluded a block"
+    blocks = [r["blocks_total"] for r in steps if r["rank"] == 0]
     assert blocks[-1] > blocks[0], f"grown blocks were never cut at a phase boundary: {blocks[0]} -> {blocks[-1]}"
-    views = [r["views"][0] for r in stats["steps"] if r["step"] == 3]
+    views = [r["views"][0] for r in steps if r["step"] == 3]
     assert len(set(views)) == ranks, f"ranks drew the same camera: {views}"
 
 
+def test_two_views_per_rank_equal_one_process_with_four(runs):
+    odin = city(runs, 2, "odin", micro_batch=2)
+    ref = load(city(runs, 1, "odin-barrier", micro_batch=4))
+    assert_sh_trained(ref)
+    assert_same_training(load(odin), ref)
+    views = [r["views"] for r in stats(odin)["steps"] if r["step"] == 3]
+    assert all(len(v) == 2 for v in views) and len({x for v in views for x in v}) == 4, views
+
+
+@pytest.mark.parametrize("ranks,micro_batch", [(2, 1), (1, 2)], ids=["same-ranks", "one-rank"])
+def test_a_resumed_barrier_run_ends_where_the_uninterrupted_one_ends(runs, ranks, micro_batch):
+    """From the 2-rank run's checkpoint at step 14 (after SH degree 2, before densification ends and degree 3)
+    to step 31: the same parameters and moments as the run that never stopped, on 2 ranks and on one rank with
+    the same global batch. The checkpoint keeps the blocks, gsplat's statistics since the last refine and
+    throughput-first's evidence, so nothing a later step reads differs."""
+    whole = city(runs, 2, "odin-barrier", *KEEP)
+    assert load(whole, 14)["step"] == 14
+    again = resumed(runs, ranks, "odin-barrier", whole, 14, *KEEP, micro_batch=micro_batch)
+    end = load(whole)
+    assert_sh_trained(end)
+    assert_same_training(load(again), end)
+    assert stats(again)["steps"][0]["step"] == 15
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_odin_equals_barrier_on_the_aerial_survey(tmp_path, ranks):
+def test_odin_equals_barrier_on_the_aerial_survey(runs, ranks):
     """The aerial capture, where read sets are local (views read a part of the blocks): odin's waits follow the
     data alone, and after densification, block cuts and a rebalance it still holds what odin-barrier holds."""
     aerial = ["--pipeline.block-size", "64", "odin-city", "--width", "48", "--height", "36", "--blocks-x", "6",
               "--blocks-y", "6", "--num-street-cameras", "0", "--num-aerial-cameras", "0",
               "--num-survey-cameras", "16", "--num-points", "2000"]
-    args = FAST_TRAINING + ["--max-num-iterations", "27"] + aerial  # refines at 20 and 25 (after 16 views)
-    odin_train(ranks, "odin-barrier", args, tmp_path / "barrier")
-    odin_train(ranks, "odin", args, tmp_path / "odin")
-    assert_same_training(_load(tmp_path / "odin"), _load(tmp_path / "barrier"))
-    stats = _stats(tmp_path / "odin")
-    blocks = [r["blocks_total"] for r in stats["steps"] if r["rank"] == 0]
+    args = FAST_TRAINING + SH + ["--max-num-iterations", "27"] + aerial  # refines at 20 and 25 (after 16 views)
+    barrier = load(runs.get(ranks, "odin-barrier", args))
+    odin_out = runs.get(ranks, "odin", args)
+    assert_sh_trained(barrier)
+    assert_same_training(load(odin_out), barrier)
+    odin_stats = stats(odin_out)
+    blocks = [r["blocks_total"] for r in odin_stats["steps"] if r["rank"] == 0]
     assert blocks[-1] > blocks[0], f"grown blocks were never cut: {blocks[0]} -> {blocks[-1]}"
-    assert stats["summary"]["wait_s"]["barrier"] == 0.0
-    assert any(r["blocks_read"] < r["blocks_total"] // 2 for r in stats["steps"]), "no view read a local part"
+    assert odin_stats["summary"]["wait_s"]["barrier"] == 0.0
+    assert any(r["blocks_read"] < r["blocks_total"] // 2 for r in odin_stats["steps"]), "no view read a local part"
 
 
-def test_ranks_that_own_no_block_still_take_part(tmp_path):
+def test_ranks_that_own_no_block_still_take_part(runs):
     """One block for three ranks: two ranks own nothing, fetch everything, and the result is still the reference."""
-    args = FAST_TRAINING + ["--max-num-iterations", "8", "--pipeline.block-size", "100000"]
-    odin_train(3, "odin-barrier", args + TINY_CITY, tmp_path / "dist")
-    odin_train(1, "odin-barrier", args + ["--pipeline.micro-batch", "3"] + TINY_CITY, tmp_path / "ref")
-    assert_same_training(_load(tmp_path / "dist"), _load(tmp_path / "ref"))
-    stats = json.loads((run_dir(tmp_path / "dist") / "odin_stats.json").read_text())
-    assert sorted(stats["summary"]["peak_gaussians_owned"]) == [0, 0, 1500]
+    args = FAST_TRAINING + SH + ["--max-num-iterations", "16", "--pipeline.block-size", "100000"]
+    dist = runs.get(3, "odin-barrier", args + TINY_CITY)
+    ref = load(runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "3"] + TINY_CITY))
+    assert_sh_trained(ref)
+    assert_same_training(load(dist), ref)
+    assert sorted(stats(dist)["summary"]["peak_gaussians_owned"]) == [0, 0, 1500]
 
 
 @pytest.mark.skipif(not (FOX / "transforms.json").exists(), reason="the shared fox photos are not present")
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_ranks_equal_one_process_on_fox(tmp_path, ranks):
+def test_ranks_equal_one_process_on_fox(runs):
     args = ["--data", str(FOX), "--pipeline.datamanager.camera-res-scale-factor", "0.0625",
             "--pipeline.model.random-init", "True", "--pipeline.model.num-random", "3000",
-            "--pipeline.model.random-scale", "2.0"] + FAST_TRAINING + ["--max-num-iterations", "24",
-                                                                       "instant-ngp-data"]
-    odin_train(ranks, "odin-barrier", args, tmp_path / "dist")
-    odin_train(ranks, "odin", args, tmp_path / "odin")
-    ref_args = args[:-1] + ["--pipeline.micro-batch", str(ranks), "instant-ngp-data"]
-    odin_train(1, "odin-barrier", ref_args, tmp_path / "ref")
-    ref = _load(tmp_path / "ref")
-    assert_same_training(_load(tmp_path / "dist"), ref)
-    assert_same_training(_load(tmp_path / "odin"), ref)
+            "--pipeline.model.random-scale", "2.0"] + FAST_TRAINING + SH + ["--max-num-iterations", "24"]
+    ref = load(runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "2", "instant-ngp-data"]))
+    assert_sh_trained(ref)
+    assert_same_training(load(runs.get(2, "odin-barrier", args + ["instant-ngp-data"])), ref)
+    assert_same_training(load(runs.get(2, "odin", args + ["instant-ngp-data"])), ref)
 
 
-def test_a_gaussian_pushed_outside_its_planned_bounds_is_added_to_the_read_set(tmp_path):
+def test_a_gaussian_pushed_outside_its_planned_bounds_is_added_to_the_read_set(runs):
     """Semantics 6: a Gaussian moved by hand inside a phase (no optimizer can move it that far) onto the optical
     axis of a view whose read set lacks its block. The owner's envelope check finds it, the block is added to that
     view's read set before the view renders, and the result is still the synchronous one: odin equals
     odin-barrier and one process, and the owners' exhaustive check finds no kept Gaussian outside what a view
     rendered (without the repair it would count the pushed one)."""
-    args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"] + TINY_CITY
+    args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"]
     push = {"ODIN_NS_FAULT_PUSH": "8"}
-    odin_train(2, "odin", args, tmp_path / "odin", extra_env=push)
-    odin_train(2, "odin-barrier", args, tmp_path / "barrier", extra_env=push)
-    ref_args = args[:-len(TINY_CITY)] + ["--pipeline.micro-batch", "2"] + TINY_CITY
-    odin_train(1, "odin-barrier", ref_args, tmp_path / "ref", extra_env=push)
-    ref = _load(tmp_path / "ref")
-    assert_same_training(_load(tmp_path / "odin"), ref)
-    assert_same_training(_load(tmp_path / "barrier"), ref)
-    for run in ("odin", "barrier", "ref"):
-        summary = _stats(tmp_path / run)["summary"]
+    odin = runs.get(2, "odin", args + TINY_CITY, extra_env=push)
+    barrier = runs.get(2, "odin-barrier", args + TINY_CITY, extra_env=push)
+    ref = runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "2"] + TINY_CITY, extra_env=push)
+    assert_same_training(load(odin), load(ref))
+    assert_same_training(load(barrier), load(ref))
+    for run in (odin, barrier, ref):
+        summary = stats(run)["summary"]
         assert summary["plan_violations"] >= 1 and summary["misses_handled"] >= 1, (run, summary)
         assert summary["read_set_misses"] == 0, (run, summary)

@@ -55,7 +55,7 @@ def browser():
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                 "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--window-size=1400,1000"):
+                "--disable-sync", "--window-size=1100,800"):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
@@ -75,14 +75,37 @@ def row_input(driver, label: str):
         "return null;", label)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+# Every wait below is for an event of the system under test (the server answers, the panel's fields fill, the
+# training step the panel shows moves on), checked every half second while the training process is alive. Where the
+# event follows from training, the bound is in training steps as the panel itself reports them (a loaded 2-core
+# machine trains slower, and then the wait is longer in seconds, not in steps); the wall-clock cap only stops a
+# test whose run stalled altogether, and says so.
+WALL_CAP_S = 600.0
+
+
+def wait_for(predicate, what: str, alive=None, steps=None, within_steps: int | None = None):
+    """Until `predicate()` is truthy (returned). Fails when the run died (`alive()` false), when the training step
+    (`steps()`, None while unknown) moved on `within_steps` past its first reading without the event, or after
+    the wall-clock cap."""
+    deadline, first = time.time() + WALL_CAP_S, None
+    while True:
         value = predicate()
         if value:
             return value
+        if alive is not None:
+            alive()
+        step = steps() if steps is not None else None
+        if step is not None and within_steps is not None:
+            first = step if first is None else first
+            assert step - first <= within_steps, f"training went {step - first} steps on without {what}"
+        assert time.time() < deadline, f"no {what} after {WALL_CAP_S:.0f} s (the run stalled?)"
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+
+
+def panel_step(driver):
+    """The training step the panel's Phase field reports ("phase 3: steps 50-74 (step 60)"), None before."""
+    text = field(driver, "Phase") or ""
+    return int(text.rsplit("(step ", 1)[1].rstrip(")")) if "(step " in text else None
 
 
 def on_owner_plane(png: str, palette: np.ndarray, box) -> float:
@@ -114,18 +137,24 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
         run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     driver = None
     try:
-        def serving():
+        def alive():
             assert run.poll() is None, log.read_text()[-3000:]
+
+        def serving():
+            alive()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
                     return r.status == 200
             except OSError:
                 return False
 
-        wait_for(serving, 300, "the viewer")
+        wait_for(serving, "viewer answering")
         driver = browser()
         driver.get(f"http://127.0.0.1:{port}/")
-        wait_for(lambda: (field(driver, "Rank 1") or "").startswith("render"), 120, "the panel's first figures")
+        wait_for(lambda: row_input(driver, "Colour by owning rank") is not None, "Odin panel in the page", alive)
+        # the panel fills at every viewer refresh (every 10 steps here)
+        wait_for(lambda: (field(driver, "Rank 1") or "").startswith("render"), "figures in the panel", alive,
+                 lambda: panel_step(driver), within_steps=50)
         for label in ("Policy", "Phase", "Rank 0", "Rank 1", "Ranks", "Stale reads admitted"):
             assert field(driver, label) is not None, label
         assert field(driver, "Policy").startswith("odin-throughput")
@@ -135,10 +164,10 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
         shares = field(driver, "Rank 0")
         assert "wait" in shares and "%" in shares
         # throughput-first's owners update beside the render: the update thread's share is shown
-        wait_for(lambda: any("on the update thread" in field(driver, f"Rank {r}") for r in (0, 1)), 60,
-                 "the update thread's share")
-        phase = field(driver, "Phase")
-        wait_for(lambda: field(driver, "Phase") != phase, 120, "the panel to update while training")
+        wait_for(lambda: any("on the update thread" in (field(driver, f"Rank {r}") or "") for r in (0, 1)),
+                 "update thread's share", alive, lambda: panel_step(driver), within_steps=50)
+        step = panel_step(driver)
+        wait_for(lambda: (panel_step(driver) or step) > step, "panel update while training", alive)
         assert field(driver, "Stale reads admitted").endswith("blocks")
         odin = driver.find_element(By.XPATH, "//*[text()='Odin']")
         driver.execute_script("arguments[0].scrollIntoView()", odin)
@@ -162,7 +191,8 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
             driver.save_screenshot(str(tmp_path / "owners.png"))
             return on_owner_plane(str(tmp_path / "owners.png"), palette, box) > 0.97
 
-        wait_for(coloured, 60, "the render in owner colours")
+        # the viewer renders a new frame as training goes on; the owner colours show in one of them
+        wait_for(coloured, "render in owner colours", alive, lambda: panel_step(driver), within_steps=100)
         assert before < 0.8, f"the scene's own colours already lie on the owners' plane ({before:.0%})"
     finally:
         if driver is not None:

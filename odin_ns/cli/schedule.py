@@ -24,7 +24,7 @@ from odin_ns.errors import OdinInputError
 from odin_ns.schedule.conformance import check_lists
 from odin_ns.schedule.costs import costs_from_stats, model_costs
 from odin_ns.schedule.plan import PhasePlan, dependency_pairs
-from odin_ns.schedule.simulate import Costs, Deadlock, Prediction, parse_action, simulate
+from odin_ns.schedule.simulate import Costs, Deadlock, parse_action, simulate
 
 METHODS = ("odin", "odin-throughput", "odin-barrier")
 

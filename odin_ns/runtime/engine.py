@@ -147,15 +147,20 @@ class OdinEngine:
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
         self._new_runner()
 
-    def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int) -> Dict[str, torch.Tensor]:
+    def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int,
+                    counts: Sequence[int] | None = None) -> Dict[str, torch.Tensor]:
         """Lay the whole model out in blocks, assign owners, build the table; this rank's rows of every
-        tensor in `full` (parameters, or anything else with one row per Gaussian)."""
-        layout = build_layout(full["means"], torch.exp(full["scales"]), block_size=block_size, cut=self.block_cut)
-        order = layout.order.to(full["means"].device)
+        tensor in `full` (parameters, or anything else with one row per Gaussian). With `counts` (a checkpoint's
+        blocks: `full` is in block order) the blocks are those runs of rows instead of a new cut."""
+        if counts is not None:
+            order = torch.arange(full["means"].shape[0], device=full["means"].device)
+            counts = torch.as_tensor(list(counts), dtype=torch.int64)
+        else:
+            layout = build_layout(full["means"], torch.exp(full["scales"]), block_size=block_size, cut=self.block_cut)
+            order, counts = layout.order.to(full["means"].device), layout.counts.clone()
         ordered = {n: p[order] for n, p in full.items()}
-        ownership = assign_contiguous(layout.counts.numpy().astype(float), self.env.world_size)
+        ownership = assign_contiguous(counts.numpy().astype(float), self.env.world_size)
         owner = torch.as_tensor(ownership.owner, dtype=torch.int64)
-        counts = layout.counts.clone()
         block_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
         lo, hi, _, _, max_scale = block_bounds(ordered["means"], torch.exp(ordered["scales"]), block_of, len(counts))
         self.table = BlockTable(owner=owner, count=counts, lo=lo, hi=hi, max_scale=max_scale,
@@ -164,15 +169,27 @@ class OdinEngine:
         return {n: t[mine].contiguous() for n, t in ordered.items()}
 
     @torch.no_grad()
-    def adopt_full_model(self, moments: Dict[str, Dict[str, torch.Tensor]], optimizers) -> None:
+    def adopt_full_model(self, moments: Dict[str, Dict[str, torch.Tensor]], optimizers,
+                         resume: Dict | None = None) -> None:
         """After a checkpoint loaded the whole model into every rank: re-shard it (any rank count) with its moments.
 
-        `moments[name]` holds "exp_avg"/"exp_avg_sq" of the whole model and "step" (one number)."""
+        `moments[name]` holds "exp_avg"/"exp_avg_sq" of the whole model and "step" (one number). `resume` is what
+        an odin checkpoint adds (`resume_state`): its blocks, kept as they were (so a resumed run renders the
+        same rows in the same order as one that never stopped), gsplat's densification statistics and
+        throughput-first's evidence; without it (a plain splatfacto checkpoint) the model is cut afresh."""
         full = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        n_rows = full["means"].shape[0]
         for n in PARAM_NAMES:
             for key in ("exp_avg", "exp_avg_sq"):
                 full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n]))
-        mine = self._shard_full(full, self.block_size)
+        resume = resume or {}
+        counts = resume.get("blocks")
+        if counts is not None and (sum(counts) != n_rows or max(counts, default=0) > self.block_size):
+            counts = None  # another model, or a smaller --pipeline.block-size: cut afresh
+        strategy = resume.get("strategy", {}) if counts is not None else {}
+        for k, v in strategy.items():
+            full[f"state:{k}"] = v.to(full["means"].device)
+        mine = self._shard_full(full, self.block_size, counts)
         for n in PARAM_NAMES:
             optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
             self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)
@@ -181,9 +198,38 @@ class OdinEngine:
                 optimizers.optimizers[n].state[self.model.gauss_params[n]]["step"] = torch.as_tensor(
                     step, dtype=torch.float32).clone()
         for k in STATE_KEYS:
-            self.model.strategy_state[k] = None
+            self.model.strategy_state[k] = mine.get(f"state:{k}")
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
         self._new_runner()
+        evidence = resume.get("evidence") if counts is not None else None
+        if evidence is not None and self.staleness:
+            self.runner.rel_now = torch.as_tensor(evidence, dtype=torch.float64).clone()
+            self.runner._structural = False
+
+    def resume_state(self) -> Dict | None:
+        """What a resumed run needs beyond nerfstudio's checkpoint to go on as if it never stopped (collective; rank
+        0 gets it, None elsewhere): the block of every row (as counts, rows in block order), gsplat's densification
+        statistics since the last refine, and throughput-first's evidence (each block's last update size)."""
+        state = self.model.strategy_state
+        n = self.model.gauss_params["means"].shape[0]
+        columns = [state[k].reshape(n, 1).float() if isinstance(state.get(k), torch.Tensor) and state[k].shape[0] == n
+                   else torch.zeros((n, 1), device=self.device) for k in STATE_KEYS]
+        rows = torch.cat(columns, dim=1)
+        full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
+        evidence = None
+        if self.staleness:
+            mine = {int(b): float(self.runner.rel_now[b]) for b in self.table.owned(self.env.rank)}
+            every = [None] * self.env.world_size
+            dist.all_gather_object(every, mine)
+            evidence = torch.full((self.table.num_blocks,), math.inf, dtype=torch.float64)
+            for part in every:
+                for b, value in part.items():
+                    evidence[b] = value
+        if self.env.rank != 0:
+            return None
+        return {"blocks": self.table.count.tolist(),
+                "strategy": {k: full[:, i].clone().cpu() for i, k in enumerate(STATE_KEYS)},
+                "evidence": evidence}
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
