@@ -168,7 +168,14 @@ class OdinPipeline(VanillaPipeline):
         validate (wait for exactly the blocks this rank's views read, at the version the synchronous reference
         reads), render (the model on those blocks), publish (gradients to the owners, the owners' update, the
         changed rows pushed to their next readers). (loss, loss dict, metrics dict) of the rank's last view."""
-        views = self.engine.validate(step, optimizers)
-        loss, loss_dict, metrics_dict, contributions, blocks = self.engine.render(step, views)
-        self.engine.publish(step, contributions, blocks, optimizers)
+        engine = self.engine
+        with engine.ops.counting(step):
+            views = engine.validate(step, optimizers)
+        loss, loss_dict, metrics_dict, contributions, blocks = engine.render(step, views)
+        record = engine.log.current
+        with engine.ops.counting(step):
+            engine.publish(step, contributions, blocks, optimizers)
+        if engine.ops.active(step):
+            counts = engine.ops.take()
+            record.runtime_ops, record.runtime_syncs = counts["ops"], counts["syncs"]
         return loss, loss_dict, metrics_dict

@@ -81,9 +81,46 @@ class Runs:
         key = (ranks, method, tuple(args), tuple(sorted((extra_env or {}).items())))
         if key not in self._done:
             out = self.root / f"run{len(self._done)}-{method}-{ranks}r"
-            odin_train(ranks, method, list(args), out, extra_env=extra_env)
+            if ranks == 1:
+                train_in_process(method, list(args), out, extra_env or {})
+            else:
+                odin_train(ranks, method, list(args), out, extra_env=extra_env)
             self._done[key] = out
         return self._done[key]
+
+
+def train_in_process(method: str, args: List[str], out: Path, extra_env) -> None:
+    """One rank trained in this process: the same worker code a launched rank runs (`odin_ns.cli.worker.main`),
+    without a launcher's start-up (seconds of imports per run), on one thread as a launched rank here. What a run
+    leaves in nerfstudio's module state (its event writers, the SIGINT handler of its stop request) is undone."""
+    import signal
+
+    import torch
+
+    from odin_ns.cli import worker  # first: nerfstudio's writer module alone is a circular import
+    from nerfstudio.utils import writer
+
+    saved_env = {k: os.environ.get(k) for k in extra_env}
+    os.environ.update(extra_env)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert worker.main([method, "--output-dir", str(out), *args]) == 0
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        torch.set_num_threads(threads)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for w in writer.EVENT_WRITERS:
+            if hasattr(w, "tb_writer"):
+                w.tb_writer.close()
+        writer.EVENT_WRITERS.clear()
+        writer.EVENT_STORAGE.clear()
+        writer.GLOBAL_BUFFER.clear()
 
 
 @pytest.fixture(scope="session")

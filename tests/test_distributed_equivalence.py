@@ -146,14 +146,14 @@ def test_odin_equals_barrier_on_the_aerial_survey(runs, ranks):
     assert any(r["blocks_read"] < r["blocks_total"] // 2 for r in odin_stats["steps"]), "no view read a local part"
 
 
-def test_ranks_that_own_no_block_still_take_part(runs):
-    """One block for three ranks: two ranks own nothing, fetch everything, and the result is still the reference."""
+def test_a_rank_that_owns_no_block_still_takes_part(runs):
+    """One block for two ranks: one rank owns nothing, fetches everything, and the result is still the reference."""
     args = FAST_TRAINING + SH + ["--max-num-iterations", "16", "--pipeline.block-size", "100000"]
-    dist = runs.get(3, "odin-barrier", args + TINY_CITY)
-    ref = load(runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "3"] + TINY_CITY))
+    dist = runs.get(2, "odin", args + TINY_CITY)
+    ref = load(runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "2"] + TINY_CITY))
     assert_sh_trained(ref)
     assert_same_training(load(dist), ref)
-    assert sorted(stats(dist)["summary"]["peak_gaussians_owned"]) == [0, 0, 1500]
+    assert sorted(stats(dist)["summary"]["peak_gaussians_owned"]) == [0, 1500]
 
 
 @pytest.mark.skipif(not (FOX / "transforms.json").exists(), reason="the shared fox photos are not present")

@@ -1,6 +1,7 @@
 """`odin-bench`: measurements made side by side in one invocation (ratios, not absolute claims).
 
     odin-bench render                                        # CPU rasterizer forward+backward
+    odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--json FILE]   # the runtime's cost
     odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--repeat N] [--json FILE] [--out DIR]
                      [--keep-runs]
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -50,12 +52,13 @@ POLICY = {"odin-barrier": "barrier", "odin": "quality", "odin-throughput": "thro
 DEFAULT_FOX = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fox"
 
 
-def run_training(ranks: int, method: str, args: List[str], out: Path, label: str, schedule: str) -> Dict:
+def run_training(ranks: int, method: str, args: List[str], out: Path, label: str, schedule: str,
+                 env: Optional[Dict[str, str]] = None) -> Dict:
     """One `odin-train` run; its odin_stats.json (summary and per-step records), its config path, and what
     `compare` and the pictures need to know of it (label, method, policy, schedule: the view order, ranks)."""
     cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", str(ranks), method, "--output-dir", str(out),
            *QUIET_RUN, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"odin-bench: the {ranks}-rank {method} run failed")
@@ -228,9 +231,13 @@ def train_main(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("render", "train"):
+    if not argv or argv[0] not in ("render", "train", "scale"):
         print(__doc__)
         return 2
+    if argv[0] == "scale":
+        from odin_ns.cli.bench_scale import main as scale_main
+
+        return scale_main(argv[1:])
     if argv[0] == "render":
         from odin_ns.render.bench import main as render_main
 

@@ -31,6 +31,7 @@ from odin_ns.render.projection import project
 from odin_ns.render.viewmat import get_viewmat
 from odin_ns.runtime.block_table import BlockTable, shard_bounds
 from odin_ns.runtime.fault_injection import FaultInjection
+from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.phase_runner import PhaseRunner
 from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.sharded import (GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, param_columns,
@@ -88,6 +89,7 @@ class OdinEngine:
         self.plan: PhasePlan | None = None
         self.plans_made = 0
         self.fault = FaultInjection.from_environment()
+        self.ops = OpCounter.from_environment()  # odin-bench scale: the runtime's operations and syncs per step
         self.model = model
         self.datamanager = datamanager
         self.seed = seed

@@ -70,6 +70,8 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
                                  for q in range(world_size)],
         "peak_gaussians_replicated": [max((r["gaussians_replicated"] for r in records if r["rank"] == q),
                                           default=0) for q in range(world_size)],
+        "peak_gaussians_resident": [max((r["gaussians_owned"] + r["gaussians_replicated"] for r in records
+                                         if r["rank"] == q), default=0) for q in range(world_size)],
         "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
                                       for q in range(world_size)],
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
@@ -80,6 +82,8 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "misses_handled": sum(r.get("misses_handled", 0) for r in records),
         "plan_violations": sum(r.get("plan_violations", 0) for r in records),
         "phases": sum(1 for r in records if r.get("phase_start") and r["rank"] == 0),
+        "runtime_ops_per_step": _mean(r["runtime_ops"] for r in records if r.get("runtime_ops") is not None),
+        "runtime_syncs_per_step": _mean(r["runtime_syncs"] for r in records if r.get("runtime_syncs") is not None),
         **stale_summary(records),
     }
 

@@ -53,6 +53,10 @@ class StepRecord:
     # throughput-first: the owner update thread's time during the step (beside the render, not on its path)
     background_s: Dict[str, float] = field(default_factory=lambda: {"update": 0.0, "transfer": 0.0})
     segments: List[list] = field(default_factory=list)  # [kind, start offset s, duration s] for timelines
+    # the runtime's side of the step (validate, publish), counted when asked (runtime.op_count): tensor operations
+    # dispatched and host syncs among them; None when not counted
+    runtime_ops: int | None = None
+    runtime_syncs: int | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -67,6 +71,7 @@ class StepRecord:
             "stale_reads": [dict(e) for e in self.stale_reads], "stale_refused": self.stale_refused,
             "background_s": dict(self.background_s),
             "segments": [[k, round(a, 6), round(d, 6)] for k, a, d in self.segments],
+            "runtime_ops": self.runtime_ops, "runtime_syncs": self.runtime_syncs,
         }
 
 

@@ -1,0 +1,158 @@
+"""`odin-bench scale`: the runtime's own cost per step as the scene grows, against the floor of a plain Adam step.
+
+    odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--steps 40] [--count-steps 4]
+                     [--policies odin-barrier,odin] [--json FILE]
+
+For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
+densification off, so the count stays) under each policy, one after the other in this invocation. From each run's
+odin_stats.json, per step and rank (mean over the timed steps, the first phase's start excluded): render, update,
+bookkeeping, loop and wait in ms; the tensor operations the runtime's side of a step (validate and publish: all but
+the render) dispatches and the host syncs among them, counted on the last `--count-steps` steps
+(`runtime.op_count`: what a GPU pays per kernel launch and per stall, machine-independent); peak resident Gaussians
+per rank (owned + replicas) as a share of the model. The floor: a plain `torch.optim.Adam` step over a rank's owned
+rows (59 columns, one thread, as each of 2 ranks on 2 cores gets), timed in this same invocation. The targets of
+the runtime at scale (update + bookkeeping + loop <= 2.5x the floor; operations and syncs flat in the block count)
+are printed beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+COLUMNS = 59  # packed parameter columns at SH degree 3 (3 + 3 + 4 + 3 + 45 + 1)
+TARGET_FLOOR_RATIO = 2.5
+
+
+def city_args(size: int, block_size: int) -> List[str]:
+    return ["--pipeline.model.stop-split-at", "0", "--pipeline.block-size", str(block_size),
+            "odin-city", "--width", "64", "--height", "48", "--num-points", str(size)]
+
+
+def adam_floor_ms(rows: int, repeats: int = 15) -> float:
+    """Median ms of one `torch.optim.Adam` step over `rows` Gaussians (the six parameters, 59 columns), one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        widths = (3, 3, 4, 3, 45, 1)
+        params = [torch.nn.Parameter(torch.randn(rows, w)) for w in widths]
+        opt = torch.optim.Adam(params, lr=1e-3, eps=1e-15)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - started)
+        return 1000 * statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def per_step(stats: Dict, count_from: int) -> Dict:
+    """Means per step and rank over the timed steps (not a phase start, not a counted step), and the counts."""
+    records = stats["steps"]
+    timed = [r for r in records if not r["phase_start"] and r["step"] < count_from]
+    counted = [r for r in records if r.get("runtime_ops") is not None]
+
+    def ms(key):
+        return 1000 * statistics.mean(r[key] for r in timed) if timed else float("nan")
+
+    out = {k: ms(f) for k, f in (("render", "compute_s"), ("update", "update_s"), ("bookkeeping", "bookkeeping_s"),
+                                 ("loop", "loop_s"), ("wall", "wall_s"))}
+    out["wait"] = 1000 * statistics.mean(sum(r["wait_s"].values()) for r in timed) if timed else float("nan")
+    out["ops"] = statistics.mean(r["runtime_ops"] for r in counted) if counted else None
+    out["syncs"] = statistics.mean(r["runtime_syncs"] for r in counted) if counted else None
+    summary = stats["summary"]
+    owned = summary["peak_gaussians_owned"]
+    last = max(r["step"] for r in records)
+    total = sum(r["gaussians_owned"] for r in records if r["step"] == last)  # densification is off: constant
+    resident = summary["peak_gaussians_resident"]
+    out["gaussians"] = total
+    out["owned_mean"] = statistics.mean(owned)
+    out["resident_share"] = [r / total for r in resident] if total else []
+    out["blocks"] = round(summary["mean_blocks_total"])
+    out["timed_steps"] = len({r["step"] for r in timed})
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from odin_ns.cli.bench import run_training
+
+    ap = argparse.ArgumentParser(prog="odin-bench scale", description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4000,40000,200000", help="Gaussians (seed points of the city), comma list")
+    ap.add_argument("--block-sizes", default="512,64", help="--pipeline.block-size values, comma list")
+    ap.add_argument("--policies", default="odin-barrier,odin", help="methods, comma list")
+    ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    ap.add_argument("--count-steps", type=int, default=4, help="last steps whose operations are counted")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    policies = args.policies.split(",")
+    if args.count_steps < 1 or args.steps <= args.count_steps + 5:
+        raise SystemExit("odin: error: --steps must exceed --count-steps by more than 5 (timed steps come first)")
+    count_from = args.steps - args.count_steps
+    env = {"ODIN_NS_COUNT_OPS": f"{count_from}:{args.steps - 1}"}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            for block_size in block_sizes:
+                for method in policies:
+                    print(f"odin-bench scale: {method}, {size} Gaussians, block size {block_size}, 2 ranks, "
+                          f"{args.steps} steps", flush=True)
+                    out = Path(tmp) / f"{method}-{size}-{block_size}"
+                    run = run_training(2, method, ["--max-num-iterations", str(args.steps),
+                                                   "--pipeline.view-order", "odin"] + city_args(size, block_size),
+                                       out, method, "odin", env=env)
+                    stats = {"summary": run["summary"], "steps": run["records"]}
+                    rows.append({"method": method, "size": size, "block_size": block_size,
+                                 **per_step(stats, count_from)})
+    floors = {size: adam_floor_ms(int(statistics.mean(r["owned_mean"] for r in rows if r["size"] == size)))
+              for size in sizes}
+    for r in rows:
+        r["adam_floor_ms"] = floors[r["size"]]
+        r["runtime_ms"] = r["update"] + r["bookkeeping"] + r["loop"]
+        r["floor_ratio"] = r["runtime_ms"] / r["adam_floor_ms"] if r["adam_floor_ms"] else float("nan")
+        r["non_render_share"] = (r["wall"] - r["render"]) / r["wall"] if r["wall"] else float("nan")
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"steps": args.steps, "count_steps": args.count_steps, "rows": rows},
+                                        indent=2))
+    return 0
+
+
+def print_table(rows: List[Dict]) -> None:
+    table = Table(title="the runtime at scale: 2 ranks, ms per step and rank (mean of the timed steps)")
+    for col in ("method", "Gaussians", "blocks", "render", "update", "bookkeeping", "loop", "wait",
+                "update+bk+loop / Adam floor", "ops/step", "syncs/step", "resident per rank", "wall - render"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        resident = ", ".join(f"{s:.0%}" for s in r["resident_share"])
+        table.add_row(r["method"], f"{r['gaussians']}", f"{r['blocks']} ({r['block_size']})",
+                      *(f"{r[k]:.1f}" for k in ("render", "update", "bookkeeping", "loop", "wait")),
+                      f"{r['runtime_ms']:.1f} / {r['adam_floor_ms']:.2f} = {r['floor_ratio']:.1f}x",
+                      "-" if r["ops"] is None else f"{r['ops']:.0f}",
+                      "-" if r["syncs"] is None else f"{r['syncs']:.0f}", resident,
+                      f"{r['non_render_share']:.0%}")
+    Console(width=220).print(table)
+    print(f"Targets: update + bookkeeping + loop <= {TARGET_FLOOR_RATIO}x the Adam floor (a plain Adam step over a "
+          "rank's owned rows, one thread, timed in this invocation); operations and syncs per step flat in the "
+          "block count (aim: under 200 and under 5); wall - render <= 25% at 200k Gaussians; resident per rank: "
+          "owned + replicas, as a share of the model.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

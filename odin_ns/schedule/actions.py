@@ -1,0 +1,72 @@
+"""The actions of a rank's program: kinds, a readable repr and its parser (the style of PyTorch's pipelining
+schedules, `torch/distributed/pipelining/schedules.py`: `_Action` with a repr and `_Action.from_str`).
+
+One action is one small piece of a rank's work in one step:
+- `W b3@v7 <-r1` wait until block 3 (owned by rank 1) is at version 7: take rank 1's publications of the blocks
+  the step reads (several blocks of one owner are one action: `W b3@v7 W b5@v7 <-r1`); `~1` when the read may be
+  one version behind (throughput-first);
+- `R v12` render view 12 and back-propagate;
+- `G b3,b5->r1` send the gradients of the step's views on rank 1's blocks to rank 1;
+- `U b0,b2` the owner's update of its blocks once every contribution of the step is in; `U~` on the owner's
+  update thread, beside the render (throughput-first);
+- `P b0,b2->r1` publish the update to a rank that reads those blocks next;
+- `B` the global barrier (odin-barrier).
+A rank's list for a phase is the program its runtime runs (`runtime.interpreter`) and the simulator replays
+(`schedule.simulate`); `schedule.policies` generates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+KINDS = ("W", "R", "G", "U", "P", "B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One small step of a rank's work; `blocks` are block ids, `peer` the other rank (-1 for none)."""
+
+    kind: str  # "W" validate, "R" render, "G" gradients to an owner, "U" owner update, "P" publish, "B" barrier
+    step: int
+    peer: int = -1
+    blocks: Tuple[int, ...] = ()
+    version: Tuple[int, ...] = ()  # "W": the version each block must be at
+    view: int = -1  # "R"
+    stale: int = 0  # "W": how many versions behind the newest the read may be (throughput-first)
+    on_thread: bool = False  # on the owner's update thread, beside the render (throughput-first)
+
+    def __repr__(self) -> str:
+        if self.kind == "R":
+            return f"R v{self.view}"
+        if self.kind == "B":
+            return "B"
+        if self.kind == "W":
+            text = " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
+            return text + (f" ~{self.stale}" if self.stale else "")
+        if self.kind == "U":
+            return ("U~ " if self.on_thread else "U ") + ",".join(f"b{b}" for b in self.blocks)
+        return f"{self.kind} " + ",".join(f"b{b}" for b in self.blocks) + f"->r{self.peer}"
+
+
+def parse_action(text: str, step: int) -> Action:
+    """Inverse of `Action.__repr__` for one action of one step (hand-written lists in a schedule JSON)."""
+    text = text.strip()
+    if text == "B":
+        return Action("B", step)
+    kind, _, rest = text.partition(" ")
+    if kind == "R":
+        return Action("R", step, view=int(rest.lstrip("v")))
+    if kind == "W":
+        text, _, stale = text.partition(" ~")
+        body, _, peer = text.rpartition("<-r")
+        pairs = [w.strip().split("@v") for w in body.strip().split("W ")[1:]] if body.strip() else []
+        return Action("W", step, int(peer), tuple(int(b.lstrip("b")) for b, _ in pairs),
+                      tuple(int(v) for _, v in pairs), stale=int(stale or 0))
+    if kind in ("U", "U~"):
+        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b),
+                      on_thread=kind == "U~")
+    if kind in ("G", "P"):
+        blocks, _, peer = rest.rpartition("->r")
+        return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b))
+    raise ValueError(f"unknown action {text!r}")
