@@ -15,14 +15,9 @@ from nerfstudio.plugins.types import MethodSpecification
 
 from odin_ns.pipeline import OdinPipelineConfig
 from odin_ns.scene.optimizer_config import SelectiveAdamOptimizerConfig
+from odin_ns.schedule.policies import POLICIES
 from odin_ns.trainer import OdinTrainerConfig, default_device_type
 
-POLICY_DESCRIPTIONS = {
-    "quality": "Odin, quality-first: distributed Gaussian splatting, bit-for-bit the synchronous result.",
-    "throughput": "Odin, throughput-first: bounded, admitted delayed reads across ranks.",
-    "barrier": "Distributed Gaussian splatting with a global barrier every step (the baseline).",
-}
-METHOD_NAMES = {"quality": "odin", "throughput": "odin-throughput", "barrier": "odin-barrier"}
 
 
 def _gaussian_optimizers(max_steps: int) -> dict:
@@ -55,7 +50,7 @@ def make_trainer_config(policy: str) -> OdinTrainerConfig:
     """The full training config of one odin method; every field takes nerfstudio's usual override."""
     max_steps = 30000
     return OdinTrainerConfig(
-        method_name=METHOD_NAMES[policy],
+        method_name=POLICIES[policy].method,
         steps_per_eval_image=100,
         steps_per_eval_batch=0,
         steps_per_save=2000,
@@ -71,10 +66,10 @@ def make_trainer_config(policy: str) -> OdinTrainerConfig:
 
 
 def _spec(policy: str) -> MethodSpecification:
-    return MethodSpecification(config=make_trainer_config(policy), description=POLICY_DESCRIPTIONS[policy])
+    return MethodSpecification(config=make_trainer_config(policy), description=POLICIES[policy].description)
 
 
-odin = _spec("quality")
-odin_throughput = _spec("throughput")
-odin_barrier = _spec("barrier")
-METHODS = {"odin": odin, "odin-throughput": odin_throughput, "odin-barrier": odin_barrier}
+# one method per policy of the registry (`odin_ns.schedule.policies`), under its method's name with "_" for "-":
+# the names pyproject.toml's entry points give nerfstudio
+METHODS = {p.method: _spec(p.name) for p in POLICIES.values()}
+globals().update({method.replace("-", "_"): spec for method, spec in METHODS.items()})

@@ -20,7 +20,10 @@ from odin_ns.errors import OdinInputError
 from odin_ns.model import OdinModelConfig
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.engine import OdinEngine
+from odin_ns.schedule.policies import POLICIES
 from odin_ns.viewer_panel import attach as attach_panel
+
+PolicyName = Literal[tuple(POLICIES)]  # the registry's names (tyro lists them as the choices)
 
 
 @dataclass
@@ -30,8 +33,9 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     _target: Type = field(default_factory=lambda: OdinPipeline)
     datamanager: OdinDataManagerConfig = field(default_factory=OdinDataManagerConfig)
     model: OdinModelConfig = field(default_factory=OdinModelConfig)
-    policy: Literal["quality", "throughput", "barrier"] = "quality"
-    """Synchronization across ranks: quality-first (odin), throughput-first, or a global barrier every step."""
+    policy: PolicyName = "quality"
+    """Synchronization across ranks: a policy of the registry (odin_ns/schedule/policies.py): quality-first (odin),
+    throughput-first, or a global barrier every step; each method (odin, odin-throughput, odin-barrier) sets it."""
     block_size: int = 512
     """Most Gaussians per block: the unit of ownership, versioning and transfer."""
     block_cut: Literal["kd", "morton"] = "kd"

@@ -153,6 +153,7 @@ class OdinTrainer(Trainer):
         meta = {"method": self.config.method_name, "policy": self.config.pipeline.policy,
                 "micro_batch": self.config.pipeline.micro_batch, "block_size": self.config.pipeline.block_size}
         wall = time.perf_counter() - getattr(self, "_started", time.perf_counter())
+        self.engine.dump_program(self.base_dir)
         return write_stats(self.engine.log, self.env.world_size, wall, self.base_dir, meta)
 
     def train_iteration(self, step: int):

@@ -19,9 +19,8 @@ import torch
 
 from nerfstudio.viewer.viewer_elements import ViewerCheckbox, ViewerElement, ViewerText
 
-POLICIES = {"quality": "odin (quality-first: exact, no barrier)",
-            "throughput": "odin-throughput (reads admitted one version behind)",
-            "barrier": "odin-barrier (a global barrier every step)"}
+from odin_ns.schedule.policies import POLICIES
+
 PARTS = ("render", "update", "wait", "update thread")
 COLOURS = {"render": "#4c72b0", "update": "#55a868", "wait": "#c44e52", "update thread": "#a6d8b0"}
 
@@ -100,14 +99,15 @@ class OdinPanel(torch.nn.Module):
         self.colour_by_rank = ViewerCheckbox(
             "Colour by owning rank", False, cb_hook=lambda element: on_colour(bool(element.value)),
             hint="draw every Gaussian in the colour of the rank that owns it (refreshed with the model)")
-        self.policy = ViewerText("Policy", POLICIES.get(policy, policy), disabled=True)
+        entry = POLICIES[policy]
+        self.policy = ViewerText("Policy", entry.panel, disabled=True)
         self.ranks_text = ViewerText("Ranks", f"{world_size} (colours: " + ", ".join(
             f"{r} #{''.join(f'{int(255 * c):02x}' for c in self.palette[r])}" for r in range(world_size)) + ")",
             disabled=True)
         self.phase = ViewerText("Phase", "starting", disabled=True)
-        self.stale = ViewerText("Stale reads admitted", "0 blocks" if policy == "throughput" else "none (exact)",
+        self.stale = ViewerText("Stale reads admitted", "0 blocks" if entry.stale_reads else "none (exact)",
                                 disabled=True)
-        self.policy_name = policy
+        self.stale_reads = entry.stale_reads
         self.rank_rows = [ViewerText(f"Rank {r}", "-", disabled=True) for r in range(world_size)]
         for r, row in enumerate(self.rank_rows):
             setattr(self, f"rank_{r:03d}", row)  # attributes, so that the viewer finds them (in rank order)
@@ -120,7 +120,7 @@ class OdinPanel(torch.nn.Module):
         for r, shares in enumerate(shares_by_rank):
             self.rank_rows[r].value = describe(shares)
         self.stale_total += sum(s["stale_admitted"] for s in shares_by_rank)
-        if self.policy_name == "throughput":
+        if self.stale_reads:
             self.stale.value = f"{self.stale_total} blocks"
         self.shares.show(bar_chart(shares_by_rank))
 

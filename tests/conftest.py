@@ -21,6 +21,7 @@ def _city_cache(tmp_path_factory):
     """One city cache for the whole session (subprocesses inherit it through the environment)."""
     os.environ.setdefault("ODIN_NS_CACHE", str(tmp_path_factory.mktemp("odin_cache")))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("ODIN_NS_RECORD_MESSAGES", "1")  # every run records its programs and messages (test_program)
 
 
 @pytest.fixture

@@ -40,8 +40,11 @@ def test_actions_are_readable_and_the_barrier_only_in_the_barrier_policy():
     assert "W b1@v0 <-r0" in text and "R v7" in text and "G b1->r0" in text and "P b2->r0" in text
     assert "\n    B" not in text
     assert [repr(a) for a in small_plan(barrier=True).actions(0)].count("B") == 2
-    # rank 0 never waits at step 10 (it reads only its own block): its first action renders
-    assert repr(small_plan().actions(0)[0]) == "R v5"
+    # a phase begins with the owners' publication of the phase-start state to the ranks that read it first
+    first = small_plan().actions(0)
+    assert [repr(a) for a in first if a.step == 9] == ["P b1->r1"] and first[0].step == 9
+    # rank 0 never waits at step 10 (it reads only its own block): its first action of the step renders
+    assert repr(next(a for a in first if a.step == 10)) == "R v5"
 
 
 def test_plan_round_trips_through_json():
@@ -178,7 +181,8 @@ def test_tight_adam_bound_holds_for_adversarial_gradients():
 
 
 def test_simulator_predicts_waits_and_finds_deadlocks():
-    from odin_ns.schedule.simulate import Costs, Deadlock, parse_action, simulate, simulate_phase
+    from odin_ns.schedule.actions import parse_action
+    from odin_ns.schedule.simulate import Costs, Deadlock, simulate, simulate_phase
 
     # rank 1's views are slow: with the barrier rank 0 waits for them every step; without it, rank 0's step 11
     # (its view reads block 2 of rank 1) still waits, but its step 10 does not
@@ -223,7 +227,8 @@ def test_throughput_plan_publishes_ahead_and_admits_only_inside_its_bounds():
 
 
 def test_reads_one_version_behind_hide_alternating_imbalance():
-    from odin_ns.schedule.simulate import Costs, parse_action, simulate
+    from odin_ns.schedule.actions import parse_action
+    from odin_ns.schedule.simulate import Costs, simulate
 
     costs = Costs(render=lambda v: 1.0 if (v // 2) % 2 == v % 2 else 0.5, update=0.0, latency=0.0, phase=0.0)
     barrier = simulate([_jitter_plan(barrier=True)], costs)

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from odin_ns.cli import bench_figures
+from odin_ns.schedule.policies import POLICIES
 
 QUIET_RUN = ["--vis", "tensorboard", "--steps-per-eval-image", "0", "--steps-per-eval-all-images", "0",
              "--steps-per-eval-batch", "0", "--steps-per-save", "1000000"]
@@ -46,9 +47,10 @@ SCENES = {
 }
 # (label, method, view order): barrier on nerfstudio's order (what a user would otherwise run), then every policy
 # on Odin's schedule
-RUNS = [("barrier, random order", "odin-barrier", "random"), ("barrier", "odin-barrier", "odin"),
-        ("odin", "odin", "odin"), ("odin-throughput", "odin-throughput", "odin")]
-POLICY = {"odin-barrier": "barrier", "odin": "quality", "odin-throughput": "throughput"}
+BASELINE = next(p for p in POLICIES.values() if p.barrier)
+RUNS = [(f"{BASELINE.label}, random order", BASELINE.method, "random")] + [
+    (p.label, p.method, "odin") for p in sorted(POLICIES.values(), key=lambda p: not p.barrier)]
+POLICY = {p.method: p.name for p in POLICIES.values()}
 DEFAULT_FOX = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "fox"
 
 
@@ -109,7 +111,7 @@ def _work(summary: Dict) -> float:
 def compare(runs: List[Dict]) -> List[Dict]:
     """DESIGN.md "Measuring": ideal = busiest rank's render + update in the barrier run on Odin's schedule;
     wait = wall - ideal; hidden = 1 - wait / wait(barrier); speed-ups over that barrier run."""
-    barrier = next(r for r in runs if r["policy"] == "barrier" and r["schedule"] == "odin")
+    barrier = next(r for r in runs if r["policy"] == BASELINE.name and r["schedule"] == "odin")
     ideal = barrier["summary"]["no_wait_bound_s"]
     barrier_wait = barrier["summary"]["train_wall_s"] - ideal
     rows = []
@@ -164,7 +166,7 @@ def print_table(rows: List[Dict], title: str) -> None:
                       *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s", "loop_s", "wait_validate_s",
                                                 "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}",
-                      f"{r['stale_admitted']}/{r['stale_refused']}" if r["policy"] == "throughput" else "-",
+                      f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
                       "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
     Console(width=200).print(table)
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "

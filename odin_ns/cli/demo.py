@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 from odin_ns.cli import bench, bench_figures
 from odin_ns.cli.train import OneLineParser
+from odin_ns.schedule.policies import POLICIES
 
 # the short schedule sized for the built-in scene on a CPU (splatfacto's own is 30000 steps): 750 steps of 2 views
 # (one per rank), as many views as one process's 1500; the length of the training, then the model's schedule (also
@@ -40,7 +41,7 @@ MODEL = [
 # a denser street capture than the parser's default, so that every held-out view has close neighbours
 CITY = ["odin-city", "--num-street-cameras", "100"]
 DATAPARSERS = ("odin-city", "odin-data", "instant-ngp-data", "nerfstudio-data", "colmap", "blender-data")
-COMPARED = [("barrier", "odin-barrier"), ("odin", "odin"), ("odin-throughput", "odin-throughput")]
+COMPARED = [(p.label, p.method) for p in sorted(POLICIES.values(), key=lambda p: not p.barrier)]
 
 
 def parse(argv: List[str]):

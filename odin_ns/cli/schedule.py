@@ -24,9 +24,12 @@ from odin_ns.errors import OdinInputError
 from odin_ns.schedule.conformance import check_lists
 from odin_ns.schedule.costs import costs_from_stats, model_costs
 from odin_ns.schedule.plan import PhasePlan, dependency_pairs
-from odin_ns.schedule.simulate import Costs, Deadlock, parse_action, simulate
+from odin_ns.schedule.policies import POLICIES
+from odin_ns.schedule.actions import parse_action
+from odin_ns.schedule.simulate import Costs, Deadlock, simulate
 
-METHODS = ("odin", "odin-throughput", "odin-barrier")
+METHODS = tuple(p.method for p in POLICIES.values())
+BASELINE = next(p.method for p in POLICIES.values() if p.barrier)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,7 +88,7 @@ def predictions(policy_plans: Dict[str, Sequence[PhasePlan]], costs: Costs) -> D
     """Predicted wall, ideal, wait and wait hidden of every policy on the same views and read sets
     (odin-throughput: as if every read the plan admits behind were admitted at run time too)."""
     sims = {name: simulate(plans, costs) for name, plans in policy_plans.items()}
-    barrier = sims["odin-barrier"]
+    barrier = sims[BASELINE]
     ideal = barrier.ideal_s
     out = {}
     for name, pred in sims.items():

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from odin_ns.cli.launcher_output import StderrFilter
+from odin_ns.schedule.policies import POLICIES
 from odin_ns.runtime.dist_env import die_with_parent
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, STOP_FILE_ENV
 
-METHODS = ("odin", "odin-throughput", "odin-barrier")
+METHODS = tuple(p.method for p in POLICIES.values())
 QUIET_WARNINGS = "ignore:`torch.cuda.amp.:FutureWarning"
 
 
@@ -60,7 +61,7 @@ def error(message: str) -> int:
 def parse_launcher(argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
     parser = OneLineParser(
         prog="odin-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="odin-train [--ranks N] [torchrun flags] {odin,odin-throughput,odin-barrier} [ns-train args]")
+        usage=f"odin-train [--ranks N] [torchrun flags] {{{','.join(METHODS)}}} [ns-train args]")
     parser.add_argument("--ranks", type=int, default=None,
                         help="ranks (processes) on this machine; default: CUDA devices, or 2 on a CPU machine")
     known, passthrough = parser.parse_known_args(argv)

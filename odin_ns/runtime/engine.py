@@ -17,7 +17,9 @@ with a micro-batch of N views, parameter for parameter.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -29,24 +31,25 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.render.projection import project
 from odin_ns.render.viewmat import get_viewmat
-from odin_ns.runtime.block_table import BlockTable, shard_bounds
-from odin_ns.runtime.fault_injection import FaultInjection
-from odin_ns.runtime.op_count import OpCounter
-from odin_ns.runtime.phase_runner import PhaseRunner
+from odin_ns.runtime.block_table import BlockTable
+from odin_ns.runtime.boundary import PhaseBoundary
 from odin_ns.runtime.dist_env import DistEnv
-from odin_ns.runtime.sharded import (GRAD_EXTRA, PARAM_NAMES, ShardedGaussians, pack_params, param_columns,
-                                     unpack_params)
-from odin_ns.runtime.rebuild import cut_rows, global_cube, morton_within, new_ownership, piece_sizes, plan_rebuild
-from odin_ns.runtime.transport import exchange
-from odin_ns.runtime.update_worker import UpdateWorker
+from odin_ns.runtime.fault_injection import FaultInjection
+from odin_ns.runtime.interpreter import Program
+from odin_ns.runtime.lane import Lane
+from odin_ns.runtime.op_count import OpCounter
+from odin_ns.runtime.owner_update import contribution_rows
+from odin_ns.runtime.rank_runtime import RankRuntime
+from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, param_columns, unpack_params
+from odin_ns.runtime.transport import RECORD_ENV
 from odin_ns.runtime.waits import WaitLog
-from odin_ns.scene.block_refine import STATE_KEYS, refine_blocks
+from odin_ns.scene.block_refine import STATE_KEYS
 from odin_ns.scene.blocks import block_bounds, build_layout
-from odin_ns.scene.kd_split import kd_order
 from odin_ns.scene.ownership import assign_contiguous
-from odin_ns.scene.read_sets import blocks_in_view, tight_step_bound
+from odin_ns.scene.read_sets import blocks_in_view, blocks_in_views, tight_step_bound
 from odin_ns.schedule.odin_order import OdinSchedule
 from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.policies import POLICIES
 from odin_ns.schedule.views import ViewSchedule
 
 NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
@@ -63,27 +66,26 @@ def view_projection(camera: Cameras, downscale: int) -> Tuple[torch.Tensor, torc
     return get_viewmat(cam.camera_to_worlds), cam.get_intrinsics_matrices(), width, height
 
 
-class OdinEngine:
-    """Owns the distributed state of one rank and runs its training steps."""
+class OdinEngine(PhaseBoundary):
+    """Owns the distributed state of one rank and runs its training steps: plans each phase, runs the rank's
+    program of the phase at the pipeline's seams (validate, render, publish), and the phase boundaries."""
 
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
                  admit_overlap: float = 1.0, admit_update: float = 0.0):
         self.env = env
-        # throughput-first reads may be behind (alone, every policy is plain training: nothing to be behind of)
-        self.staleness = max_staleness if policy == "throughput" and env.distributed else 0
+        self.policy = POLICIES[policy]
+        # reads may be behind (alone, every policy is plain training: nothing to be behind of)
+        self.staleness = max_staleness if self.policy.stale_reads and env.distributed else 0
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
-        self.own_current = True  # does this step's read of the rank's own blocks see every update
-        self.own_rows: torch.Tensor | None = None  # the owned rows this step renders (throughput-first)
-        self.own_version = -1  # the update those rows are the result of
-        self.worker: UpdateWorker | None = None
-        if self.staleness:  # owner updates beside the render (see runtime.update_worker)
-            self.worker = UpdateWorker(self._update_step, self._owned_rows)
+        self.lane: Lane | None = None  # throughput-first: the phase's communication lane
+        self.snapshots: Dict[int, torch.Tensor] = {}  # throughput-first: owned rows after each recent update
+        self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
+        self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
         self.save_every = 0  # the trainer's checkpoint interval: a checkpoint step ends its phase
         self.block_cut = block_cut
-        self.policy = policy
         self.phase_length = phase_length
         self.end_step: int | None = None  # the trainer sets it: no phase plans messages past the last step
         self.plan: PhasePlan | None = None
@@ -100,6 +102,7 @@ class OdinEngine:
         self.schedule = ViewSchedule(num_views=len(datamanager.train_dataset), num_ranks=env.world_size,
                                      micro_batch=micro_batch,
                                      seed=datamanager.config.train_cameras_sampling_seed)
+        self.micro_batch = micro_batch
         # load (and undistort) the training images now: undistortion rewrites the cameras' intrinsics in place,
         # and read sets must be computed with the cameras the views are rendered with
         datamanager.cached_train  # noqa: B018 (a cached property: the access is the work)
@@ -205,8 +208,8 @@ class OdinEngine:
         self._new_runner()
         evidence = resume.get("evidence") if counts is not None else None
         if evidence is not None and self.staleness:
-            self.runner.rel_now = torch.as_tensor(evidence, dtype=torch.float64).clone()
-            self.runner._structural = False
+            self.runtime.rel_now = torch.as_tensor(evidence, dtype=torch.float64).clone()
+            self.runtime._structural = False
 
     def resume_state(self) -> Dict | None:
         """What a resumed run needs beyond nerfstudio's checkpoint to go on as if it never stopped (collective; rank
@@ -220,7 +223,7 @@ class OdinEngine:
         full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
         evidence = None
         if self.staleness:
-            mine = {int(b): float(self.runner.rel_now[b]) for b in self.table.owned(self.env.rank)}
+            mine = {int(b): float(self.runtime.rel_now[b]) for b in self.table.owned(self.env.rank)}
             every = [None] * self.env.world_size
             dist.all_gather_object(every, mine)
             evidence = torch.full((self.table.num_blocks,), math.inf, dtype=torch.float64)
@@ -235,9 +238,9 @@ class OdinEngine:
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
-        self.runner = PhaseRunner(self.env, self.width, self.width + GRAD_EXTRA, self.device, self.log,
-                                  list(param_columns(self.num_rest).values()), admit_update=self.admit_update)
-        self.runner.reset(self.model.gauss_params["means"].shape[0])
+        self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
+                                   list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
+                                   admit_update=self.admit_update)
         self.plan = None
 
     # ---- phases ---------------------------------------------------------------------------------------------
@@ -285,56 +288,88 @@ class OdinEngine:
 
     def _plan_phase(self, start: int, optimizers, done: int | None = None) -> PhasePlan:
         """Every rank derives the same plan: views from the schedule, read sets from the synced table's bounds
-        inflated, step by step, by the motion the optimizer can make since the phase started."""
+        inflated, step by step, by the motion the optimizer can make since the phase started. The read sets of
+        every view of the phase come from one batched test (`blocks_in_views`); computing the other ranks' is
+        cheaper than exchanging them. The plan keeps them as a tensor too (`read_mask[i, q, j, b]`)."""
         stop = self._phase_stop(start)
         downscale = self.model._get_downscale_factor()
-        views, reads, motion, growth = [], [], [], []
         table = self.table
-        for i, step in enumerate(range(start, stop)):
-            m = math.sqrt(3.0) * self._step_bound("means", optimizers, i, done)
-            g = self._step_bound("scales", optimizers, i, done)
-            motion.append(m)
-            growth.append(g)
-            step_views = self.schedule.global_views(step)
+        views = [self.schedule.global_views(step) for step in range(start, stop)]
+        motion = [math.sqrt(3.0) * self._step_bound("means", optimizers, i, done) for i in range(stop - start)]
+        growth = [self._step_bound("scales", optimizers, i, done) for i in range(stop - start)]
+        R, mb = self.env.world_size, self.schedule.micro_batch
+        flat = [(i, v) for i, step_views in enumerate(views) for rank_views in step_views for v in rank_views]
+        projections = [self._projection(v, downscale) for _, v in flat]
+        mask = blocks_in_views(table.lo, table.hi, torch.cat([p[0] for p in projections]),
+                               torch.cat([p[1] for p in projections]), torch.tensor([p[2] for p in projections]),
+                               torch.tensor([p[3] for p in projections]), table.max_scale,
+                               torch.tensor([motion[i] for i, _ in flat]), torch.tensor([growth[i] for i, _ in flat]),
+                               near=NEAR_PLANE)
+        mask &= (table.count > 0)[None, :]
+        read_mask = mask.view(stop - start, R, mb, -1)
+        hits = torch.nonzero(mask)
+        per_view = torch.bincount(hits[:, 0], minlength=len(flat)).tolist()
+        ids = hits[:, 1].tolist()
+        reads, k, at = [], 0, 0
+        for i in range(stop - start):
             per_step = []
-            for rank_views in step_views:
+            for q in range(R):
                 per_rank = []
-                for v in rank_views:
-                    viewmat, K, W, H = self._projection(v, downscale)
-                    mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
-                                          max_scale=table.max_scale, motion=m, log_scale_growth=g)[0]
-                    per_rank.append(torch.nonzero(mask & (table.count > 0)).flatten().tolist())
+                for _ in range(mb):
+                    per_rank.append(ids[at:at + per_view[k]])
+                    at += per_view[k]
+                    k += 1
                 per_step.append(per_rank)
-            views.append(step_views)
             reads.append(per_step)
-        return PhasePlan(start=start, stop=stop, num_ranks=self.env.world_size, owner=table.owner.tolist(),
-                         views=views, reads=reads, barrier=self.policy == "barrier", motion=motion, growth=growth,
-                         staleness=self.staleness, admit_overlap=self.admit_overlap, counts=table.count.tolist())
+        plan = PhasePlan(start=start, stop=stop, num_ranks=R, owner=table.owner.tolist(), views=views, reads=reads,
+                         barrier=self.policy.barrier, motion=motion, growth=growth, staleness=self.staleness,
+                         admit_overlap=self.admit_overlap, counts=table.count.tolist())
+        plan.read_mask = read_mask
+        return plan
 
     def _begin_phase(self, step: int, optimizers) -> None:
-        self.own_version = step - 1
+        """Plan the phase, start its program: the phase-start publications go out with the first step's waits."""
         self.plan = self._plan_phase(step, optimizers)
-        rows = self._owned_rows()
-        if self.worker is not None:
-            self.worker.begin(step - 1, rows)
         self.plans_made += 1
-        self.runner.envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
-        self.runner.begin(self.plan, self.table, rows)
+        me = self.env.rank
+        envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
+        self.runtime.begin(self.plan, self.table, self.plan.read_mask, envelope)
+        self.program = Program(self.plan.actions(me), me, self.plan.start, self.plan.stop)
+        if self.recorder is not None:
+            self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
+        self.lane = None
+        if self.staleness and self.env.distributed:
+            self.snapshots = {step - 1: self._packed_owned()}
+            self.own_version = {}
+            self.own_pos = step - 1
+            self.lane = Lane(self.program, {"W": self._lane_wait, "G": self._lane_gradients, "U": self._lane_update,
+                                            "P": self._lane_publish}, name=f"odin-lane-r{me}")
 
     def _end_phase(self, step: int, optimizers) -> None:
         """A global synchronization point: every send taken, the table synced, then any structural change."""
         with self.log.waiting("phase"):
-            self.runner.finish()
+            if self.lane is not None:
+                self.lane.join()
+                self.lane = None
+            self.runtime.finish()
             if self._is_refine_step(step):
                 self._refine(step, optimizers)
             else:
                 self._sync_table()
         self.plan = None
 
-    def _owned_rows(self) -> torch.Tensor:
+    def dump_program(self, folder) -> None:
+        """When recording (ODIN_NS_RECORD_MESSAGES): this rank's programs and every message it sent or received,
+        in posting order, as odin_messages_rank{r}.json (the test that the lists are what ran)."""
+        if self.recorder is None or self.runtime.channels is None:
+            return
+        path = folder / f"odin_messages_rank{self.env.rank}.json"
+        path.write_text(json.dumps({"programs": self.recorder, "messages": self.runtime.channels.record}))
+
+    def _packed_owned(self) -> torch.Tensor:
         return pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
 
-    # ---- one step -------------------------------------------------------------------------------------------
+    # ---- one step: the seams run the step's part of the program ------------------------------------------------
 
     def _projection(self, view: int, downscale: int):
         """`view_projection` of a training camera, memoized (cameras do not move: no camera optimization)."""
@@ -349,65 +384,48 @@ class OdinEngine:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * self.schedule.global_batch + slot)
         return torch.rand(3, generator=g).to(self.device)
 
+    def _handlers(self, step: int, optimizers) -> Dict:
+        return {"P": lambda group: self.runtime.publish(group[0].step, [a.peer for a in group]),
+                "W": lambda group: self.runtime.take_current(step, [a.peer for a in group]),
+                "G": lambda group: self._send_gradients(step, [a.peer for a in group]),
+                "U": lambda group: self._update(step, optimizers),
+                "B": lambda group: self.runtime.barrier()}
+
     def validate(self, step: int, optimizers) -> List[int]:
-        """Before the step: plan the phase if one starts here, then wait for (only) the publications the rank's
-        views of `step` read, at the version the synchronous reference reads. Returns those views."""
+        """Before the step: plan the phase if one starts here, then the program's actions before the renders:
+        wait for (only) the publications the rank's views of `step` read, at the version the policy requires (the
+        synchronous reference's for the exact policies). Returns the views."""
         record = self.log.begin(step)
-        self.schedule_step = step
         if self.plan is None or not self.plan.contains(step):
             record.phase_start = True
             with self.log.waiting("phase"):
                 self._begin_phase(step, optimizers)
+        self.optimizers = optimizers
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
-        if self.worker is not None:  # the exact policies have applied every update by now
-            self._choose_own_version(step)
-        if self.env.distributed:
-            self.runner.validate(step)
+        self._mine, self._step_views = None, None
+        if self.lane is not None:
+            with self.log.waiting("validate"):
+                self.lane.ready(step)
+        else:
+            self.program.run(self.program.pre[step], self._handlers(step, optimizers))
+        self.runtime.attach_notes(step, record)
         return views
-
-    def _choose_own_version(self, step: int) -> None:
-        """Throughput-first: the version of its own blocks the rank renders at `step`, decided as a reader decides
-        (from the plan and the evidence, never from how far the update thread has got), and its rows."""
-        plan, runner, me = self.plan, self.runner, self.env.rank
-        blocks = plan.publish_blocks(step, me, me)
-        at = torch.tensor(blocks, dtype=torch.int64)
-        p, tested = self.own_version, False
-        with self.log.waiting("validate"):
-            while p < step - 1:
-                if plan.schedule_admits(step, me, me, step - 1 - p):
-                    tested = True
-                    self.worker.wait(p)
-                    if runner.admits(step, me, me, p, runner.rel_hist[p][at]):
-                        break
-                p += 1
-            self.own_rows = self.worker.rows(p)
-        self.own_version = p
-        self.own_current = p == step - 1
-        runner.note_read(step, me, blocks, step - 1 - p, tested, runner.rel_hist[p][at])
-
-    def _update_step(self, step: int, mine, view_ids, optimizers) -> torch.Tensor | None:
-        """The owners' update of `step`, then its learning-rate step; the packed rows it published (on the update
-        thread: the copy the render thread may read)."""
-        rows = self._update_owners(step, mine, view_ids, optimizers)
-        optimizers.scheduler_step_all(step)
-        self.runner.forget_step(step)
-        return rows
 
     def render(self, step: int, views: Sequence[int]):
         """Render each view from its read set (owned blocks and replicas) and back-propagate into per-view leaves;
         (loss, loss dict, metrics dict, per-view contributions, per-view block ids)."""
-        me, model, runner = self.env.rank, self.model, self.runner
+        me, model, runtime = self.env.rank, self.model, self.runtime
         record = self.log.current
-        owned_rows = self.own_rows if self.own_rows is not None else self._owned_rows()
-        self.own_rows = None
-        view_ids = [runner.view_blocks(step, j, self.own_current) for j in range(len(views))]
-        record.gaussians_replicated = runner.num_replicated()
-        record.blocks_read = len({b for ids in view_ids for b in ids})
-        mine: List[torch.Tensor] = []
+        owned, own_current = None, True
+        if self.lane is not None:  # the version of its own blocks this step reads (the lane updates the live rows)
+            version = self.own_version.get(step, max(self.snapshots))
+            owned, own_current = self.snapshots[version], version == step - 1
+        contributions, view_ids = [], []
         loss = loss_dict = metrics_dict = None
         for j, view in enumerate(views):
-            rows = runner.render_rows(step, view_ids[j], owned_rows)
+            rows, ids = runtime.view_rows(step, j, owned, own_current)
+            view_ids.append(ids)
             with self.log.computing():
                 leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, self.num_rest).items()}
                 model.render_params = leaves
@@ -419,36 +437,86 @@ class OdinEngine:
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
-            mine.append(self._contribution(leaves, model.info))
+            contributions.append(contribution_rows(leaves, model.info, model.strategy.absgrad))
             model.render_params = None
-        return loss, loss_dict, metrics_dict, mine, view_ids
+        record.gaussians_replicated = runtime.resident(step)
+        record.blocks_read = len({b for ids in view_ids for b in ids})
+        return loss, loss_dict, metrics_dict, contributions, view_ids
 
-    def publish(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> None:
-        """After rendering: gradients to the blocks' owners, the owners' update in reference order (throughput-
-        first: of the step max-staleness before, the later ones wait until a read needs them or the phase ends),
-        the changed rows pushed to the ranks that read them next; odin-barrier's barrier; a phase's end."""
-        plan, runner, record = self.plan, self.runner, self.log.current
-        if self.env.distributed:
-            runner.send_gradients(step, mine, view_ids)
+    def publish(self, step: int, contributions: Sequence[torch.Tensor], view_ids, optimizers) -> None:
+        """After rendering: the program's actions that follow the renders: gradients to the blocks' owners, the
+        owners' update in reference order, the changed rows pushed to the ranks that read them next, the barrier
+        (odin-barrier); throughput-first hands the contributions to its lane. Then a phase's end."""
+        plan, runtime, record = self.plan, self.runtime, self.log.current
+        self._contributions, self._step_views = list(contributions), list(view_ids)
         if self.check_read_sets:
             record.read_set_misses = self._count_misses(step)
-        if self.worker is not None:
-            self.worker.submit(step, list(mine), list(view_ids), optimizers)
-            if step + 1 == plan.stop:
-                with self.log.waiting("phase"):
-                    self.worker.wait(step)
+        if self.lane is not None:
+            self.lane.put(step, self._contributions, self._step_views)
         else:
-            self._update_step(step, mine, view_ids, optimizers)
-        if self.policy == "barrier" and self.env.distributed:
-            with self.log.waiting("barrier"):
-                dist.barrier()
+            self.program.run(self.program.post[step], self._handlers(step, optimizers))
+            runtime.forget_step(step)
         if step + 1 == plan.stop:
             self._end_phase(step, optimizers)
         record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
         record.blocks_total = self.table.num_blocks
-        record.misses_handled, runner.misses_handled = runner.misses_handled, 0
-        record.plan_violations, runner.plan_violations = runner.plan_violations, 0
+        record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0
+        record.plan_violations, runtime.plan_violations = runtime.plan_violations, 0
         self.log.end_inside()
+
+    # ---- the handlers' work ---------------------------------------------------------------------------------
+
+    def _send_gradients(self, step: int, owners: Sequence[int]) -> None:
+        self._mine = self.runtime.send_gradients(step, self._contributions, self._step_views, owners)
+
+    def _update(self, step: int, optimizers) -> None:
+        if self._mine is None:  # no gradients left this rank this step: its own contributions only
+            self._mine = self.runtime.send_gradients(step, self._contributions, self._step_views, [])
+        mine, self._mine = self._mine, None
+        self._apply_update(step, mine, optimizers)
+
+    def _apply_update(self, step: int, mine, optimizers) -> None:
+        """U: the owners' update of `step` (every reader's contributions in reference order, selective Adam on the
+        touched rows), its learning-rate step, then the check of the moved rows for the next step's reads."""
+        runtime, plan = self.runtime, self.plan
+        track = step < self.model.strategy.refine_stop_iter
+        runtime.update(step, mine, plan.readers(step, self.env.rank), optimizers, track)
+        optimizers.scheduler_step_all(step)
+        if plan.contains(step + 1):
+            params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+            self.fault.apply(self, step, params)
+            runtime.check_envelope(step + 1, self._visible)
+
+    # throughput-first: the lane's handlers (the communication thread)
+
+    def _lane_wait(self, action, until: int) -> bool:
+        step, me = action.step, self.env.rank
+        if action.peer != me:
+            return self.runtime.take_admitted(step, action.peer, until)
+        version = self.runtime.own_admitted(step, self.own_pos, until)
+        if version is None:
+            return False
+        self.own_pos = self.own_version[step] = version
+        return True
+
+    def _lane_gradients(self, group, contributions, view_ids) -> None:
+        self._lane_mine = self.runtime.send_gradients(group[0].step, contributions, view_ids,
+                                                      [a.peer for a in group])
+
+    def _lane_update(self, action, given) -> None:
+        step = action.step
+        if given is not None:  # no gradients left this rank this step
+            mine = self.runtime.send_gradients(step, given[0], given[1], [])
+        else:
+            mine, self._lane_mine = self._lane_mine, None
+        self._apply_update(step, mine, self.optimizers)
+        self.snapshots[step] = self._packed_owned()
+        for v in [v for v in self.snapshots if v < step - 1 - self.staleness]:
+            del self.snapshots[v]
+        self.runtime.forget_step(step)
+
+    def _lane_publish(self, group) -> None:
+        self.runtime.publish(group[0].step, [a.peer for a in group])
 
     def _visible(self, view: int, rows: Dict[str, torch.Tensor]) -> int:
         """How many of these Gaussians gsplat's projection keeps (radius > 0) in training view `view`."""
@@ -474,12 +542,12 @@ class OdinEngine:
             return 0
         params = {n: t.detach() for n, t in self.model.gauss_params.items() if n in PARAM_NAMES}
         misses = 0
-        extras = self.runner.extras_out.get(step, {})
+        extras = self.runtime.extras_out.get(step, {})
         for q, views in enumerate(self.plan.views[self.plan.index(step)]):
             for j, view in enumerate(views):
                 seen = set(self.plan.view_reads(step, q)[j])
                 if q == self.env.rank:
-                    seen |= set(self.runner.view_blocks(step, j, self.own_current))
+                    seen |= set(self._step_views[j])
                 seen |= {b for jj, b in extras.get(q, []) if jj == j}
                 outside = sorted(set(ranges) - seen)
                 if not outside:
@@ -492,235 +560,7 @@ class OdinEngine:
                 misses += found
         return misses
 
-    def _contribution(self, leaves: Dict[str, torch.Tensor], info: Dict) -> torch.Tensor:
-        """[M, D + 3] rows: the view's gradient of every Gaussian it rendered, and gsplat's densification stats."""
-        m = leaves["means"].shape[0]
-        grads = pack_params({n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]))
-                             for n in PARAM_NAMES})
-        means2d = info["means2d"]
-        g2d = means2d.absgrad if self.model.strategy.absgrad else means2d.grad
-        g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
-        g2d[..., 0] *= info["width"] / 2.0 * info["n_cameras"]  # gsplat's DefaultStrategy._update_state
-        g2d[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
-        radii = info["radii"][0]
-        visible = radii > 0
-        norm = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
-        scaled_radii = radii / float(max(info["width"], info["height"]))
-        extra = torch.stack([norm, visible.to(norm.dtype), scaled_radii.to(norm.dtype)], dim=1)
-        return torch.cat([grads, extra.to(grads.dtype)], dim=1)
-
-    @torch.no_grad()
-    def _update_owners(self, step: int, mine: Sequence[torch.Tensor], view_ids, optimizers) -> torch.Tensor | None:
-        """Sum contributions in reference order, selective Adam on the touched rows, then publish for step+1;
-        the packed owned rows published (None at the phase's last step)."""
-        model = self.model
-        width = self.width
-        contributions = self.runner.collect(step, mine, view_ids)
-        with self.log.updating():
-            n_owned = model.gauss_params["means"].shape[0]
-            dtype = mine[0].dtype if mine else torch.float32
-            acc = torch.zeros((n_owned, width), dtype=dtype, device=self.device)
-            touched = torch.zeros(n_owned, dtype=torch.bool, device=self.device)
-            track = step < model.strategy.refine_stop_iter
-            state = model.strategy_state
-            if track:
-                for k in STATE_KEYS:
-                    if state.get(k) is None or state[k].shape[0] != n_owned:
-                        state[k] = torch.zeros(n_owned, device=self.device)
-            for idx, piece in contributions:
-                acc[idx] += piece[:, :width]
-                vis = piece[:, width + 1] > 0
-                touched[idx] |= vis
-                if track:
-                    state["grad2d"][idx] += torch.where(vis, piece[:, width], torch.zeros_like(piece[:, width]))
-                    state["count"][idx] += vis.to(state["count"].dtype)
-                    state["radii"][idx] = torch.where(vis, torch.maximum(state["radii"][idx], piece[:, width + 2]),
-                                                      state["radii"][idx])
-            grads = unpack_params(acc, self.num_rest)
-            rows = torch.nonzero(touched).flatten()
-            changed = torch.zeros((n_owned, len(PARAM_NAMES)), dtype=torch.bool, device=self.device)
-            # throughput-first: each block's relative update size, the evidence for admitting reads behind it
-            delta_sq = torch.zeros(n_owned, dtype=torch.float64, device=self.device) if self.staleness else None
-            for g, n in enumerate(PARAM_NAMES):
-                param = model.gauss_params[n]
-                param.grad = grads[n].reshape(param.shape).contiguous()
-                opt = optimizers.optimizers[n]
-                opt.visibility = touched
-                before = param.detach()[rows] if self.env.distributed else None  # indexing copies
-                opt.step()
-                if before is not None:  # which parameters of which rows changed: only those are published
-                    after = param.detach()[rows]
-                    changed[rows, g] = (after != before).flatten(1).any(dim=1)
-                    if delta_sq is not None:
-                        delta_sq[rows] += (after - before).double().pow(2).flatten(1).sum(dim=1)
-        self.runner.updated(step, changed, delta_sq)
-        if self.plan.contains(step + 1):
-            params = {n: model.gauss_params[n].detach() for n in PARAM_NAMES}
-            self.fault.apply(self, step, params)
-            self.runner.check_envelope(step + 1, params, self._visible)
-            rows = self._owned_rows()
-            self.runner.publish(step, rows)
-            return rows
-        return None
-
-    def _sync_table(self) -> None:
-        """Current sizes and bounds of this rank's blocks into the table, then the all-gather that spreads them."""
-        me = self.env.rank
-        ranges = self.table.owned_ranges(me)
-        params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-        lo, hi, max_scale = shard_bounds(params, ranges)
-        ids = sorted(ranges)
-        counts = torch.tensor([ranges[b][1] - ranges[b][0] for b in ids], dtype=torch.int64)
-        self.table.update_owned(me, counts, lo, hi, max_scale, torch.ones(len(ids), dtype=torch.bool))
-        if self.env.distributed:
-            self.table.sync(me, self.env.world_size, self.log, "phase")
-
-    # ---- phase boundaries -----------------------------------------------------------------------------------
-
-    def _refine(self, step: int, optimizers) -> None:
-        """gsplat's DefaultStrategy schedule (grow/prune every refine_every, opacity reset), owners per block."""
-        strategy, model = self.model.strategy, self.model
-        if step >= strategy.refine_stop_iter:
-            return
-        grow = (step > strategy.refine_start_iter and step % strategy.refine_every == 0
-                and step % strategy.reset_every >= strategy.pause_refine_after_reset)
-        reset = step % strategy.reset_every == 0
-        if not (grow or reset):
-            return
-        if grow:
-            self._grow_and_prune(step, optimizers)
-        if reset:
-            self._reset_opacities(strategy.prune_opa * 2.0, optimizers)
-        self._sync_table()
-        if grow:
-            self._rebuild_blocks(optimizers)
-            self.runner.reset(model.gauss_params["means"].shape[0])
-            if self.env.rank == 0:
-                CONSOLE.log(f"Step {step}: {int(self.table.count.sum())} Gaussians in {self.table.num_blocks} blocks")
-        else:
-            self.runner.mark_all_dirty()
-
-    def _grow_and_prune(self, step: int, optimizers) -> None:
-        model, me = self.model, self.env.rank
-        ranges = self.table.owned_ranges(me)
-        triples = [(b, s, e) for b, (s, e) in sorted(ranges.items())]
-        params = {n: model.gauss_params[n].detach() for n in PARAM_NAMES}
-        opt_states = {n: dict(optimizers.optimizers[n].state.get(model.gauss_params[n], {})) for n in PARAM_NAMES}
-        new_params, new_opt, new_state, counts, _ = refine_blocks(
-            model.strategy, params, opt_states, model.strategy_state, triples, step, self.seed)
-        for n in PARAM_NAMES:
-            self._replace_param(n, new_params[n], new_opt[n], optimizers)
-        model.strategy_state.update(new_state)
-        ids = sorted(ranges)
-        self.table.count[ids] = torch.tensor(counts, dtype=torch.int64)
-
-    def _rebuild_blocks(self, optimizers) -> None:
-        """Cut grown blocks, drop empty ones, rebalance and move blocks (see runtime.rebuild); then sync."""
-        table, me, R = self.table, self.env.rank, self.env.world_size
-        plan = plan_rebuild(table.count.numpy(), self.block_size)
-        if not plan.changed:
-            return
-        owner = new_ownership(plan, table.owner.numpy(), R)
-        cube = global_cube(table.lo, table.hi, table.count)
-        ranges = table.owned_ranges(me)
-        rows = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-        for key in ("exp_avg", "exp_avg_sq"):
-            for n in PARAM_NAMES:
-                st = optimizers.optimizers[n].state.get(self.model.gauss_params[n], {})
-                rows[f"{key}:{n}"] = st.get(key, torch.zeros_like(rows[n]))
-        for k, v in self.model.strategy_state.items():
-            if isinstance(v, torch.Tensor) and v.shape[0] == rows["means"].shape[0]:
-                rows[f"state:{k}"] = v
-        # this rank's pieces of the new blocks, cut from the old blocks it owns
-        held: Dict[int, Dict[str, torch.Tensor]] = {}
-        new_id = 0
-        for b, k in enumerate(plan.pieces.tolist()):
-            if b in ranges and k:
-                s0, s1 = ranges[b]
-                block = {name: t[s0:s1] for name, t in rows.items()}
-                sizes = piece_sizes(s1 - s0, k)
-                if k == 1:
-                    order = torch.arange(s1 - s0, device=block["means"].device)
-                elif self.block_cut == "kd":
-                    order = kd_order(block["means"], sizes).to(block["means"].device)
-                else:
-                    order = morton_within(block["means"], cube)
-                for j, piece in enumerate(cut_rows(block, order, sizes)):
-                    held[new_id + j] = piece
-            new_id += k
-        # blocks whose owner changes travel (values unchanged), then each rank keeps its own in id order
-        names = sorted(rows)
-        widths = {name: rows[name].flatten(1).shape[1] if rows[name].dim() > 1 else 1 for name in names}
-        holder = table.owner.numpy()[plan.parent]
-        sends, shapes, incoming = {}, {}, {}
-        for j in range(len(plan.parent)):
-            src, dst = int(holder[j]), int(owner[j])
-            if src == dst:
-                continue
-            if src == me:
-                packed = torch.cat([held[j][n].reshape(int(plan.sizes[j]), widths[n]).float() for n in names], dim=1)
-                sends.setdefault(dst, []).append(packed)
-                del held[j]
-            elif dst == me:
-                incoming.setdefault(src, []).append(j)
-        total = sum(widths.values())
-        for src, ids in incoming.items():
-            shapes[src] = (int(plan.sizes[ids].sum()), total)
-        received = exchange({d: torch.cat(v) for d, v in sends.items()}, shapes, torch.float32, self.device,
-                            self.log, "phase")
-        for src, ids in incoming.items():
-            start = 0
-            for j in ids:
-                n = int(plan.sizes[j])
-                chunk, col = received[src][start:start + n], 0
-                held[j] = {}
-                for name in names:
-                    w = widths[name]
-                    held[j][name] = chunk[:, col:col + w].reshape((n,) + tuple(rows[name].shape[1:])).to(
-                        rows[name].dtype)
-                    col += w
-                start += n
-        mine = [j for j in range(len(plan.parent)) if int(owner[j]) == me]
-        joined = {name: (torch.cat([held[j][name] for j in mine]) if mine else rows[name][:0]) for name in names}
-        for n in PARAM_NAMES:
-            self._replace_param(n, joined[n], {key: joined[f"{key}:{n}"] for key in ("exp_avg", "exp_avg_sq")},
-                                optimizers)
-        for k in list(self.model.strategy_state):
-            if f"state:{k}" in joined:
-                self.model.strategy_state[k] = joined[f"state:{k}"]
-        B = len(plan.parent)
-        self.table = BlockTable(owner=torch.as_tensor(owner, dtype=torch.int64),
-                                count=torch.as_tensor(plan.sizes, dtype=torch.int64),
-                                lo=torch.zeros(B, 3), hi=torch.zeros(B, 3), max_scale=torch.zeros(B),
-                                version=torch.zeros(B, dtype=torch.int64))
-        self.sharded.table = self.table
-        self._sync_table()
-
-    def _reset_opacities(self, value: float, optimizers) -> None:
-        """gsplat's `reset_opa`: clamp opacities, zero their moments (elementwise, so shard-independent)."""
-        model = self.model
-        p = model.gauss_params["opacities"]
-        clamped = torch.clamp(p.detach(), max=torch.logit(torch.tensor(value)).item())
-        state = optimizers.optimizers["opacities"].state.get(p, {})
-        self._replace_param("opacities", clamped,
-                            {k: torch.zeros_like(v) for k, v in state.items() if k != "step"}, optimizers)
-
-    def _replace_param(self, name: str, value: torch.Tensor, opt_state: Dict[str, torch.Tensor], optimizers) -> None:
-        """Swap a Gaussian parameter for a new tensor, moving its optimizer state along (as gsplat's ops do)."""
-        model = self.model
-        old = model.gauss_params[name]
-        optimizer = optimizers.optimizers[name]
-        state = optimizer.state.pop(old, {})
-        new = torch.nn.Parameter(value.contiguous())
-        for k, v in opt_state.items():
-            state[k] = v
-        optimizer.param_groups[0]["params"] = [new]
-        optimizer.state[new] = state
-        model.gauss_params[name] = new
-        optimizers.parameters[name] = [new]
-
-    # ---- the whole model on rank 0 --------------------------------------------------------------------------
-
+    # ---- the whole model on rank 0 ---------------------------------------------------------------------------
     def gather_full(self) -> Dict[str, torch.Tensor] | None:
         """Every block's parameters on rank 0 in block order (collective); None elsewhere."""
         owned_rows = pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})

@@ -57,9 +57,7 @@ class FaultInjection:
         R, T = viewmat[0, :3, :3], viewmat[0, :3, 3]
         center = -R.T @ T
         forward = R.T @ torch.tensor([0.0, 0.0, 1.0])
-        row = engine.table.owned_ranges(engine.env.rank)[block][0]
+        row = engine.runtime.ranges[block][0]
         with torch.no_grad():
             params["means"][row] = (center + PUSH_DEPTH * forward).to(params["means"])
-        if engine.env.distributed:
-            engine.runner.dirty[:, row] = True
-            engine.runner.dirty[engine.env.rank, row] = False
+        engine.runtime.mark_moved(row)  # published to its readers, and checked against the envelope

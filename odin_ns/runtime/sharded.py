@@ -50,7 +50,7 @@ def unpack_params(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
 
 class ShardedGaussians:
     """The traffic of one rank that involves whole shards; the owned tensors are passed in (they belong to the
-    model). Replicas and the per-step messages live in `runtime.phase_runner`."""
+    model). Replicas and the per-step messages live in `runtime.rank_runtime`."""
 
     def __init__(self, env: DistEnv, table: BlockTable, num_rest: int, device: torch.device, log: WaitLog):
         self.env = env

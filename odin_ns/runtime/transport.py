@@ -1,13 +1,21 @@
-"""Point-to-point exchange of tensors whose shapes both sides know in advance.
+"""Point-to-point transport of a rank: messages matched by their order on each pair of ranks, never by tag.
 
-Every rank derives the same communication plan from replicated data (the schedule, the block table), so a
-message needs no header: the receiver allocates the buffer from the plan and both sides post their operations
-in one `batch_isend_irecv`. torch.distributed does the transport (gloo on CPU, NCCL on CUDA).
+NCCL matches the point-to-point messages between two ranks in the order they were posted and ignores tags
+(pytorch/pytorch issues 94819 and 125079); gloo is run with the same discipline (every tag 0), so that the CPU
+tests exercise what NCCL does. Every rank derives the same plan from replicated data (the action lists), which
+fixes the order of the messages on every pair; one thread of a rank posts them (`Channels`), in that order, and
+the sends and receives of an action group go out together in one `batch_isend_irecv`. A message whose size
+depends on the data is a fixed-size header (its length fixed by the plan) followed by the payload it announces.
+
+`exchange` and `all_gather_rows` move whole shards at phase boundaries (both sides know the shapes).
+torch.distributed does the transport (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,3 +64,64 @@ def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cau
     log.add_traffic(padded.numel() * padded.element_size() * (len(counts) - 1),
                     padded.numel() * padded.element_size() * (len(counts) - 1))
     return [g[:n].to(rows.device) for g, n in zip(gathered, counts)]
+
+
+RECORD_ENV = "ODIN_NS_RECORD_MESSAGES"  # set: every message of the run is recorded (test of the action lists)
+
+
+class Channels:
+    """One rank's ordered point-to-point messages. `batch(sends, recvs)` posts the sends (kept alive until they
+    complete) and the receives in one `batch_isend_irecv` and waits for the receives; the time is the wait of the
+    named cause. With recording on, every message is noted as (kind, step, peer, "send"/"recv") in posting order
+    (payloads and headers of one message count once, as the header's)."""
+
+    def __init__(self, device: torch.device, log: WaitLog):
+        self.device = device
+        self.log = log
+        self._pending: List[Tuple[dist.Work, torch.Tensor]] = []
+        self.record: Optional[List[list]] = [] if os.environ.get(RECORD_ENV) else None
+
+    def note(self, kind: str, step: int, peer: int, direction: str) -> None:
+        if self.record is not None:
+            self.record.append([kind, int(step), int(peer), direction])
+
+    def batch(self, sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
+              cause: str) -> None:
+        ops: List[dist.P2POp] = []
+        sent = received = 0
+        for peer, tensor in sends:
+            if tensor.numel() == 0:
+                continue
+            tensor = tensor.contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, peer))
+            sent += tensor.numel() * tensor.element_size()
+        recv_ops = []
+        for peer, tensor in recvs:
+            if tensor.numel() == 0:
+                continue
+            ops.append(dist.P2POp(dist.irecv, tensor, peer))
+            recv_ops.append(len(ops) - 1)
+            received += tensor.numel() * tensor.element_size()
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        self.log.add_traffic(sent, received)
+        for i, (op, work) in enumerate(zip(ops, works)):
+            if op.op is dist.isend:
+                self._pending.append((work, op.tensor))
+        if recv_ops:
+            with self.log.waiting(cause):
+                for i in recv_ops:
+                    works[i].wait()
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
+    def flush(self, cause: str = "phase") -> None:
+        """Wait until every send has been taken (at a phase boundary, where every receive has been posted)."""
+        pending, self._pending = self._pending, []
+        with self.log.waiting(cause):
+            for work, _ in pending:
+                work.wait()
+
+    def dump(self, path) -> None:
+        if self.record is not None:
+            path.write_text(json.dumps(self.record))

@@ -143,6 +143,37 @@ def blocks_in_view(
     return keep.all(dim=1) & (half >= 0).all(dim=1)[None, :]
 
 
+def blocks_in_views(lo: Tensor, hi: Tensor, viewmats: Tensor, Ks: Tensor, widths: Tensor, heights: Tensor,
+                    max_scale: Tensor, motion: Tensor, log_scale_growth: Tensor, near: float = 0.01,
+                    far: float = 1e10) -> Tensor:
+    """Bool [C, B]: `blocks_in_view` for many cameras in one call, each with its own image size, motion bound and
+    log-scale growth bound (the views of a whole phase, each inflated by the motion possible up to its step).
+    Cameras of one image size share one set of planes; the test is the same per camera."""
+    out = torch.zeros((viewmats.shape[0], lo.shape[0]), dtype=torch.bool)
+    sizes = torch.stack([torch.as_tensor(widths), torch.as_tensor(heights)], dim=1).tolist()
+    groups: dict = {}
+    for c, (w, h) in enumerate(sizes):
+        groups.setdefault((int(w), int(h)), []).append(c)
+    lo64, hi64 = lo.detach().cpu().to(torch.float64), hi.detach().cpu().to(torch.float64)
+    center = (lo64 + hi64) / 2
+    half = (hi64 - lo64) / 2
+    scale = torch.as_tensor(max_scale).detach().cpu().to(torch.float64).expand(lo.shape[0])
+    for (w, h), cams in groups.items():
+        at = torch.tensor(cams, dtype=torch.int64)
+        normals, offsets, slack = view_planes(viewmats[at], Ks[at], w, h, near, far)
+        m = torch.as_tensor(motion, dtype=torch.float64)[at]
+        g = torch.exp(torch.as_tensor(log_scale_growth, dtype=torch.float64)[at])
+        absn = normals.abs()
+        reach = (torch.einsum("ckj,bj->ckb", normals, center) + torch.einsum("ckj,bj->ckb", absn, half)
+                 + (absn.sum(dim=2) * m[:, None])[..., None])
+        best = reach + offsets[..., None]
+        tol = REL_TOL * (torch.einsum("ckj,bj->ckb", absn, center.abs() + half)
+                         + (absn.sum(dim=2) * m[:, None])[..., None] + offsets.abs()[..., None] + 1.0)
+        keep = best + slack[..., None] * (scale[None, None, :] * g[:, None, None]) + tol > 0
+        out[at] = keep.all(dim=1) & (half >= 0).all(dim=1)[None, :]
+    return out
+
+
 def read_set(
     lo: Tensor,
     hi: Tensor,

@@ -80,6 +80,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, eps=eps, betas=tuple(betas), bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.require_visibility = require_visibility
+        self._counts: dict = {}  # id(param) -> (its step tensor, its value): see step_rows
         self.visibility: Optional[Tensor] = None
 
     @torch.no_grad()
@@ -137,6 +138,43 @@ class SelectiveAdam(torch.optim.Optimizer):
         p.index_copy_(0, rows, p_r)
         m.index_copy_(0, rows, m_r)
         v.index_copy_(0, rows, v_r)
+
+
+    @torch.no_grad()
+    def step_rows(self, rows: Tensor, grad: Tensor) -> Tuple[Tensor, Tensor]:
+        """One update of this optimizer's (single) parameter on the given rows only, with their gradient rows: the
+        same arithmetic as `step(visibility)` with exactly those rows visible, without a gradient or a mask the
+        size of the parameter (the owner's update touches what the step touched). The step count advances as in
+        `step`. Returns the rows' values before and after."""
+        (group,) = self.param_groups
+        (p,) = group["params"]
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        # the count as a Python number beside the tensor (read from it once): reading a tensor every step would be a
+        # host read per parameter (the tensor lives on the CPU, as torch.optim keeps it, even for CUDA parameters)
+        known = self._counts.get(id(p))
+        step = known[1] + 1.0 if known is not None and known[0] is state["step"] else float(state["step"].item())
+        self._counts[id(p)] = (state["step"], step)
+        self.visibility = None
+        before = p.index_select(0, rows)
+        if rows.numel() == 0:
+            return before, before
+        lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
+        if group["bias_correction"]:
+            bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+        else:
+            bias1, bias2_sqrt = 1.0, 1.0
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        p_r, m_r, v_r = before.clone(), m.index_select(0, rows), v.index_select(0, rows)
+        _adam_rows(p_r, grad, m_r, v_r, lr, beta1, beta2, eps, bias1, bias2_sqrt)
+        p.index_copy_(0, rows, p_r)
+        m.index_copy_(0, rows, m_r)
+        v.index_copy_(0, rows, v_r)
+        return before, p_r
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:

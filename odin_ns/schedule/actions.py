@@ -17,6 +17,7 @@ A rank's list for a phase is the program its runtime runs (`runtime.interpreter`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -37,16 +38,17 @@ class Action:
     on_thread: bool = False  # on the owner's update thread, beside the render (throughput-first)
 
     def __repr__(self) -> str:
+        lane = "~" if self.on_thread else ""  # on the communication lane, beside the renders
         if self.kind == "R":
             return f"R v{self.view}"
         if self.kind == "B":
             return "B"
         if self.kind == "W":
-            text = " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
+            text = " ".join(f"W{lane} b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
             return text + (f" ~{self.stale}" if self.stale else "")
         if self.kind == "U":
-            return ("U~ " if self.on_thread else "U ") + ",".join(f"b{b}" for b in self.blocks)
-        return f"{self.kind} " + ",".join(f"b{b}" for b in self.blocks) + f"->r{self.peer}"
+            return f"U{lane} " + ",".join(f"b{b}" for b in self.blocks)
+        return f"{self.kind}{lane} " + ",".join(f"b{b}" for b in self.blocks) + f"->r{self.peer}"
 
 
 def parse_action(text: str, step: int) -> Action:
@@ -55,18 +57,20 @@ def parse_action(text: str, step: int) -> Action:
     if text == "B":
         return Action("B", step)
     kind, _, rest = text.partition(" ")
+    lane = kind.endswith("~")
+    kind = kind.rstrip("~")
     if kind == "R":
         return Action("R", step, view=int(rest.lstrip("v")))
     if kind == "W":
         text, _, stale = text.partition(" ~")
         body, _, peer = text.rpartition("<-r")
-        pairs = [w.strip().split("@v") for w in body.strip().split("W ")[1:]] if body.strip() else []
+        pairs = [w.strip().split("@v") for w in re.split(r"W~? ", body.strip())[1:]] if body.strip() else []
         return Action("W", step, int(peer), tuple(int(b.lstrip("b")) for b, _ in pairs),
-                      tuple(int(v) for _, v in pairs), stale=int(stale or 0))
-    if kind in ("U", "U~"):
-        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b),
-                      on_thread=kind == "U~")
+                      tuple(int(v) for _, v in pairs), stale=int(stale or 0), on_thread=lane)
+    if kind == "U":
+        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b), on_thread=lane)
     if kind in ("G", "P"):
         blocks, _, peer = rest.rpartition("->r")
-        return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b))
+        return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b),
+                      on_thread=lane)
     raise ValueError(f"unknown action {text!r}")

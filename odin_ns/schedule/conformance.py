@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Dict, List, Optional, Sequence
 
-from odin_ns.schedule.plan import Action, PhasePlan
+from odin_ns.schedule.actions import Action
+from odin_ns.schedule.plan import PhasePlan
 
 # within one step, each kind must follow every action of the kinds listed for it
 _AFTER = {"R": ("W",), "G": ("R",), "U": ("R",), "P": ("U",), "B": ("U", "P")}

@@ -19,7 +19,7 @@ reads the owner's blocks at any of the steps u+1 .. u+1+staleness (the publicati
 that skips the newest version of a block still holds the one before it. The plan's part of the admission is
 `schedule_admits`: a read at step t may use the version of update t-1-k (k <= staleness, never from before the
 phase start) when the share of the view's Gaussians in the owner's blocks that the pending steps t-k .. t-1
-update is at most `admit_overlap`; the runtime's gradient evidence decides the rest (`runtime.phase_runner.PhaseRunner.admits`). The
+update is at most `admit_overlap`; the runtime's gradient evidence decides the rest (`runtime.rank_runtime.RankRuntime.admits`). The
 action lists assume every read the plan admits is admitted (the prediction's upper bound); a stale wait reads
 `W b3@v6 <-r1 ~1` (one version behind).
 
@@ -31,32 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
-
-@dataclass(frozen=True)
-class Action:
-    """One small step of a rank's work; `blocks` are block ids, `peer` the other rank (-1 for none)."""
-
-    kind: str  # "W" validate, "R" render, "G" gradients to an owner, "U" owner update, "P" publish, "B" barrier
-    step: int
-    peer: int = -1
-    blocks: Tuple[int, ...] = ()
-    version: Tuple[int, ...] = ()  # "W": the version each block must be at
-    view: int = -1  # "R"
-    stale: int = 0  # "W": how many versions behind the newest the read may be (throughput-first)
-    on_thread: bool = False  # "U": on the owner's update thread, beside the render (throughput-first)
-
-    def __repr__(self) -> str:
-        if self.kind == "R":
-            return f"R v{self.view}"
-        if self.kind == "B":
-            return "B"
-        if self.kind == "W":
-            text = " ".join(f"W b{b}@v{v}" for b, v in zip(self.blocks, self.version)) + f" <-r{self.peer}"
-            return text + (f" ~{self.stale}" if self.stale else "")
-        if self.kind == "U":
-            return ("U~ " if self.on_thread else "U ") + ",".join(f"b{b}" for b in self.blocks)
-        arrow = "->"
-        return f"{self.kind} " + ",".join(f"b{b}" for b in self.blocks) + f"{arrow}r{self.peer}"
+from odin_ns.schedule.actions import Action
 
 
 @dataclass
@@ -185,23 +160,42 @@ class PhasePlan:
 
     def advance(self, step: int, reader: int, owner: int, pos: int | None,
                 admitted: Callable[[int], bool] | None = None,
-                take: Callable[[int], None] | None = None) -> Tuple[int, bool]:
+                take: Callable[[int], None] | None = None, until: int | None = None) -> Tuple[int | None, bool, bool]:
         """`reader`'s read of `owner`'s blocks at `step`: from `pos` (the last publication of the owner's it took
-        this phase; None: none yet), the owner's next publications in order until the read is current (update
-        step-1) or admitted behind: the plan's test (`schedule_admits`) and, where given, the runtime's evidence
-        (`admitted(pos)`). `take(update)` is called for each publication taken. Returns the update the read
-        renders and whether an admission test ran. The one rule shared by the runtime's validate, an owner's
-        replay of its readers' decisions and the plan's own action lists."""
+        this phase; None: none yet), the owner's next publications in order, up to update `until` (default step-1),
+        until the read is current (update step-1) or admitted behind: the plan's test (`schedule_admits`) and, where
+        given, the runtime's evidence (`admitted(pos)`). `take(update)` is called for each publication taken.
+        Returns the update the read renders (so far), whether an admission test ran, and whether the read is
+        decided (current or admitted; False only when `until` stopped it first). The one rule shared by the
+        runtime's validate, an owner's replay of its readers' decisions and the throughput policy's lists."""
+        until = step - 1 if until is None else until
         tested = False
         while pos is None or pos < step - 1:
             if pos is not None and self.schedule_admits(step, reader, owner, step - 1 - pos):
                 tested = True
                 if admitted is None or admitted(pos):
-                    break
-            pos = self.next_publication(owner, reader, self.start - 2 if pos is None else pos, step - 1)
+                    return pos, tested, True
+            nxt = self.next_publication(owner, reader, self.start - 2 if pos is None else pos, until)
+            if nxt is None:
+                return pos, tested, False
+            pos = nxt
             if take is not None:
                 take(pos)
-        return pos, tested
+        return pos, tested, True
+
+    def owned_blocks(self, rank: int) -> frozenset:
+        key = ("owned", rank)
+        if key not in self._memo:
+            self._memo[key] = frozenset(b for b, o in enumerate(self.owner) if o == rank)
+        return self._memo[key]
+
+    def touched(self, step: int) -> frozenset:
+        """Blocks some view reads at `step` (the owners' update of the step may change them)."""
+        return self._touched[self.index(step)]
+
+    def grad_blocks(self, step: int, reader: int, owner: int) -> Tuple[int, ...]:
+        """Blocks of `owner` in `reader`'s gradient message of `step`."""
+        return tuple(sorted({b for _, b in self.grad_entries(step, reader, owner)}))
 
     def versions(self) -> List[List[int]]:
         """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""
@@ -215,39 +209,21 @@ class PhasePlan:
 
     # ---- the action lists ------------------------------------------------------------------------------
 
+    @property
+    def policy(self):
+        """The registry entry whose program these lists are (from the plan's own flags)."""
+        from odin_ns.schedule.policies import POLICIES
+
+        return POLICIES["barrier" if self.barrier else "throughput" if self.staleness else "quality"]
+
     def actions(self, rank: int) -> List[Action]:
-        """The rank's whole phase as a list of actions, in the order the runtime runs them. Throughput-first, as
-        if every read the plan admits behind were admitted by the runtime too: the rank's read of its own blocks
-        is a `W` from itself (the version its update thread must have reached), and updates are `U~`, run by
-        that thread beside the renders."""
-        out: List[Action] = []
-        versions = self.versions()
-        owned = {b for b, o in enumerate(self.owner) if o == rank}
-        pos: Dict[int, int | None] = {o: None for o in range(self.num_ranks) if o != rank}  # publications taken
-        own = self.start - 1  # the version of its own blocks the rank renders
-        for i, step in enumerate(range(self.start, self.stop)):
-            if self.staleness:
-                while own < step - 1 and not self.schedule_admits(step, rank, rank, step - 1 - own):
-                    own += 1
-                blocks = tuple(self.publish_blocks(step, rank, rank))
-                if blocks:
-                    k = step - 1 - own
-                    out.append(Action("W", step, rank, blocks, tuple(versions[i - k][b] for b in blocks), stale=k))
-            for o in self.deps(step, rank):
-                pos[o], _ = self.advance(step, rank, o, pos[o])
-                k = step - 1 - pos[o]
-                blocks = tuple(self.publish_blocks(step, o, rank))
-                out.append(Action("W", step, o, blocks, tuple(versions[i - k][b] for b in blocks), stale=k))
-            for v in self.rank_views(step, rank):
-                out.append(Action("R", step, view=v))
-            for o in self.deps(step, rank):
-                out.append(Action("G", step, o, tuple(sorted({b for _, b in self.grad_entries(step, rank, o)}))))
-            out.append(Action("U", step, blocks=tuple(sorted(self._touched[i] & owned)), on_thread=self.staleness > 0))
-            for q in self.pub_readers(step, rank):
-                out.append(Action("P", step, q, tuple(self.pub_blocks(step, rank, q))))
-            if self.barrier:
-                out.append(Action("B", step))
-        return out
+        """The rank's whole phase as a list of actions, in the order the runtime runs them: the policy's
+        generator (`schedule.policies`). Throughput-first lists assume every read the plan admits behind is
+        admitted at run time too."""
+        key = ("actions", rank)
+        if key not in self._memo:
+            self._memo[key] = self.policy.generator(self, rank)
+        return list(self._memo[key])
 
     def actions_text(self) -> str:
         lines = []

@@ -21,6 +21,7 @@ from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.engine import NEAR_PLANE, OdinEngine
 from odin_ns.scene.read_sets import blocks_in_view
 from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.policies import POLICIES
 
 
 @dataclass
@@ -39,12 +40,11 @@ class Preview:
     admit_overlap: float = 1.0
 
     def policy_plans(self) -> Dict[str, List[PhasePlan]]:
-        """The same views and read sets under each policy: odin-barrier (a global barrier after every step), odin
-        (exact reads), odin-throughput (reads behind wherever the plan admits them)."""
-        return {"odin-barrier": [dataclasses.replace(p, barrier=True, staleness=0) for p in self.plans],
-                "odin": [dataclasses.replace(p, barrier=False, staleness=0) for p in self.plans],
-                "odin-throughput": [dataclasses.replace(p, barrier=False, staleness=self.staleness,
-                                                        admit_overlap=self.admit_overlap) for p in self.plans]}
+        """The same views and read sets under each policy of the registry (throughput-first: reads behind
+        wherever the plan admits them), by method name."""
+        return {p.method: [dataclasses.replace(plan, barrier=p.barrier, staleness=self.staleness if p.stale_reads
+                                               else 0, admit_overlap=self.admit_overlap if p.stale_reads else 0.0)
+                           for plan in self.plans] for p in POLICIES.values()}
 
     def to_dict(self) -> Dict:
         return {"ranks": self.ranks, "num_views": self.num_views,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from odin_ns.schedule.plan import Action, PhasePlan
+from odin_ns.schedule.actions import Action
+from odin_ns.schedule.plan import PhasePlan
 
 
 class Deadlock(RuntimeError):
@@ -59,30 +60,35 @@ class Prediction:
 
 def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Costs,
                    clocks: List[float], busy: List[float]) -> List[float]:
-    """Advance every rank's clock through its list of one phase (starting at step `start`); new clocks.
+    """Advance every rank's clocks through its list of one phase (starting at step `start`); new clocks.
 
-    A `U~` (throughput-first) runs on the rank's update thread: it starts when its gradients are in and the
-    thread is free, the rank goes on rendering, and the publications listed after it leave when it is done; a
-    `W` from the rank itself waits for that thread's update."""
+    A rank has a main lane (renders, and everything in lists without `on_thread` actions) and, for
+    throughput-first lists, a communication lane (the `on_thread` actions, in list order): a render of step t
+    waits until the lane has run every `W` of step t; the lane's `G` of step t waits until every render of step t
+    is done. `W` waits for the publication of the version it reads (from itself: its own update of that step),
+    `U` for every reader's gradients of its step, `B` for every rank."""
     ranks = sorted(actions)
-    pos = {r: 0 for r in ranks}
-    clock = {r: clocks[r] for r in ranks}
+    lanes = {r: ([a for a in actions[r] if not a.on_thread], [a for a in actions[r] if a.on_thread]) for r in ranks}
+    pos = {r: [0, 0] for r in ranks}
+    clock = {r: [clocks[r], clocks[r]] for r in ranks}  # [main, communication lane]
     phase_start = max(clocks)
     sent: Dict[Tuple, float] = {}  # ("P"|"G", src, dst, step) -> time sent
+    updated: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its update of that step was done
+    rendered: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its last render of that step was done
     expected_grads: Dict[Tuple[int, int], List[int]] = {}  # (owner, step) -> readers
+    views_at: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+    renders_left: Dict[Tuple[int, int], int] = {}
+    waits_left: Dict[Tuple[int, int], int] = {}  # (rank, step) -> W actions of the lane not yet run
     for r in ranks:
         for a in actions[r]:
             if a.kind == "G":
                 expected_grads.setdefault((a.peer, a.step), []).append(r)
-    barrier_arrivals: Dict[int, Dict[int, float]] = {}
-    views_at: Dict[Tuple[int, int], Tuple[int, ...]] = {}
-    for r in ranks:
-        for a in actions[r]:
-            if a.kind == "R":
+            elif a.kind == "R":
                 views_at[(r, a.step)] = views_at.get((r, a.step), ()) + (a.view,)
-    lane = dict(clock)  # the update thread's clock
-    queued: Dict[int, List[Tuple[Action, float]]] = {r: [] for r in ranks}  # its work: (U~ or P, submitted at)
-    updated: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its update thread applied that step
+                renders_left[(r, a.step)] = renders_left.get((r, a.step), 0) + 1
+            elif a.kind == "W" and a.on_thread:
+                waits_left[(r, a.step)] = waits_left.get((r, a.step), 0) + 1
+    barrier_arrivals: Dict[int, Dict[int, float]] = {}
 
     def grads_ready(r: int, a: Action) -> Optional[float]:
         readers = expected_grads.get((r, a.step), [])
@@ -90,78 +96,81 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             return None
         return max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
 
-    def run_lane(r: int) -> bool:
+    def publication_ready(r: int, a: Action) -> Optional[float]:
+        needed = a.step - 1 - a.stale  # the update whose publication the read needs
+        if needed < start:
+            return phase_start
+        if a.peer == r:
+            return updated.get((r, needed))
+        if ("P", a.peer, r, needed) in sent:
+            return sent[("P", a.peer, r, needed)] + costs.latency
+        return None
+
+    def run(r: int, lane: int) -> bool:
+        """Run lane `lane` of rank r as far as it goes; whether it moved."""
         moved = False
-        while queued[r]:
-            a, submitted = queued[r][0]
-            if a.kind == "P":
-                sent[("P", r, a.peer, a.step)] = lane[r]
-            else:
-                ready = grads_ready(r, a)
+        todo = lanes[r][lane]
+        while pos[r][lane] < len(todo):
+            a = todo[pos[r][lane]]
+            t = clock[r][lane]
+            if a.kind == "R":
+                if waits_left.get((r, a.step), 0):
+                    break  # the lane has not taken every publication of this step's reads yet
+                per_view = costs.at(a.step, r, views_at[(r, a.step)])[0]
+                cost = costs.render(a.view) if per_view is None else per_view
+                clock[r][lane] = t + cost
+                busy[r] += cost
+                renders_left[(r, a.step)] -= 1
+                if not renders_left[(r, a.step)]:
+                    rendered[(r, a.step)] = clock[r][lane]
+            elif a.kind == "W":
+                ready = publication_ready(r, a)
                 if ready is None:
-                    return moved
+                    break
+                clock[r][lane] = max(t, ready)
+                if a.on_thread:
+                    waits_left[(r, a.step)] -= 1
+                    if not waits_left[(r, a.step)]:
+                        clock[r][0] = max(clock[r][0], clock[r][lane])  # the render starts after it
+            elif a.kind == "G":
+                if a.on_thread:
+                    if renders_left.get((r, a.step), 0):
+                        break
+                    t = clock[r][lane] = max(t, rendered.get((r, a.step), t))
+                sent[("G", r, a.peer, a.step)] = t
+            elif a.kind == "P":
+                sent[("P", r, a.peer, a.step)] = t
+            elif a.kind == "U":
+                ready = grads_ready(r, a)
+                if ready is None or (a.on_thread and renders_left.get((r, a.step), 0)):
+                    break
                 _, update, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
-                lane[r] = max(lane[r], ready, submitted) + update
+                clock[r][lane] = max(t, ready, rendered.get((r, a.step), t)) + update
                 busy[r] += update
-                updated[(r, a.step)] = lane[r]
-            queued[r].pop(0)
+                updated[(r, a.step)] = clock[r][lane]
+                clock[r][0] += overhead  # the main thread's own bookkeeping of the step
+                if lane == 0:
+                    pass
+            elif a.kind == "B":
+                arrivals = barrier_arrivals.setdefault(a.step, {})
+                arrivals.setdefault(r, t)
+                if len(arrivals) < len(ranks):
+                    break
+                clock[r][lane] = max(arrivals.values()) + costs.latency
+            pos[r][lane] += 1
             moved = True
         return moved
 
     while True:
         progressed = False
         for r in ranks:
-            progressed |= run_lane(r)
-            while pos[r] < len(actions[r]):
-                a = actions[r][pos[r]]
-                if a.kind == "U" and a.on_thread:
-                    queued[r].append((a, clock[r]))
-                    _, _, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
-                    clock[r] += overhead  # the render thread's own bookkeeping of the step
-                    progressed |= run_lane(r)
-                elif a.kind == "P" and queued[r]:
-                    queued[r].append((a, clock[r]))  # leaves when the update before it is done
-                    progressed |= run_lane(r)
-                elif a.kind == "R":
-                    per_view = costs.at(a.step, r, views_at[(r, a.step)])[0]
-                    cost = costs.render(a.view) if per_view is None else per_view
-                    clock[r] += cost
-                    busy[r] += cost
-                elif a.kind in ("G", "P"):
-                    sent[(a.kind, r, a.peer, a.step)] = clock[r]
-                elif a.kind == "W":
-                    needed = a.step - 1 - a.stale  # the update whose publication the read needs
-                    if needed < start:
-                        ready = phase_start
-                    elif a.peer == r and (r, needed) in updated:
-                        ready = updated[(r, needed)]
-                    elif a.peer != r and ("P", a.peer, r, needed) in sent:
-                        ready = sent[("P", a.peer, r, needed)] + costs.latency
-                    else:
-                        break
-                    clock[r] = max(clock[r], ready)
-                elif a.kind == "U":
-                    ready = grads_ready(r, a)
-                    if ready is None:
-                        break
-                    _, update, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
-                    clock[r] = max(clock[r], ready) + update + overhead
-                    busy[r] += update
-                elif a.kind == "B":
-                    arrivals = barrier_arrivals.setdefault(a.step, {})
-                    arrivals.setdefault(r, clock[r])
-                    if len(arrivals) < len(ranks):
-                        break
-                    clock[r] = max(arrivals.values()) + costs.latency
-                pos[r] += 1
-                progressed = True
-        if all(pos[r] == len(actions[r]) and not queued[r] for r in ranks):
-            return [max(clock[r], lane[r]) + costs.phase for r in ranks]
+            progressed |= run(r, 1)
+            progressed |= run(r, 0)
+        if all(pos[r][0] == len(lanes[r][0]) and pos[r][1] == len(lanes[r][1]) for r in ranks):
+            return [max(clock[r]) + costs.phase for r in ranks]
         if not progressed:
-            stuck = [f"rank {r} at {actions[r][pos[r]]!r} (step {actions[r][pos[r]].step})"
-                     for r in ranks if pos[r] < len(actions[r])]
-            stuck += [f"rank {r}'s update thread at {queued[r][0][0]!r} (step {queued[r][0][0].step})"
-                      for r in ranks if queued[r]]
+            stuck = [f"rank {r} at {lanes[r][lane][pos[r][lane]]!r} (step {lanes[r][lane][pos[r][lane]].step})"
+                     for r in ranks for lane in (0, 1) if pos[r][lane] < len(lanes[r][lane])]
             raise Deadlock("the plan deadlocks: " + "; ".join(stuck))
 
 
@@ -178,25 +187,3 @@ def simulate(plans: Sequence[PhasePlan], costs: Costs, actions: Sequence[Dict[in
         clocks = [max(ends)] * R
     wall = max(clocks)
     return Prediction(wall_s=wall, busy_s=busy, wait_s=[wall - b for b in busy])
-
-
-def parse_action(text: str, step: int) -> Action:
-    """Inverse of `Action.__repr__` for one action of one step (hand-written lists in a schedule JSON)."""
-    text = text.strip()
-    if text == "B":
-        return Action("B", step)
-    kind, _, rest = text.partition(" ")
-    if kind == "R":
-        return Action("R", step, view=int(rest.lstrip("v")))
-    if kind == "W":
-        text, _, stale = text.partition(" ~")
-        body, _, peer = text.rpartition("<-r")
-        pairs = [w.strip().split("@v") for w in body.strip().split("W ")[1:]] if body.strip() else []
-        return Action("W", step, int(peer), tuple(int(b.lstrip("b")) for b, _ in pairs),
-                      tuple(int(v) for _, v in pairs), stale=int(stale or 0))
-    if kind in ("U", "U~"):
-        return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b), on_thread=kind == "U~")
-    if kind in ("G", "P"):
-        blocks, _, peer = rest.rpartition("->r")
-        return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b))
-    raise ValueError(f"unknown action {text!r}")

@@ -1,0 +1,118 @@
+"""The owner's update of one step, on the rows the step touched.
+
+The contributions of a step to this rank's blocks arrive as (owned row indices, rows of gradients and gsplat's
+densification statistics), one per view, in the reference order (rank, then view). The update:
+1. finds the rows some view touched (visible in it), once, with a marker array kept between steps (cleared on
+   those rows only, not over the whole shard);
+2. sums the contributions of those rows in the reference order into a compact [touched, D+3] buffer, one
+   `index_add_` per contribution (the rows of one contribution are distinct, so each row's sum is the same
+   sequence of additions on every rank count; rows a view did not touch go to a spare row that is dropped);
+3. applies selective Adam to those rows only (`SelectiveAdam.step_rows`: no gradient or mask the size of the
+   shard), parameter by parameter, and notes which parameters of which rows changed (what the publications
+   carry) and, for throughput-first's evidence, each row's squared change;
+4. adds the densification statistics (screen-space gradient norms, visibility counts, largest radii) of those rows.
+A row no view touched is not read or written, moments included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
+from odin_ns.scene.block_refine import STATE_KEYS
+
+
+@dataclass
+class UpdateResult:
+    rows: torch.Tensor  # [T] owned rows the step touched, ascending
+    changed: torch.Tensor  # [T, 6] bool: which parameters of each row the update changed
+    delta_sq: Optional[torch.Tensor]  # [T] float64: squared change of the row's packed parameters (evidence)
+
+
+class OwnerUpdate:
+    """The update of this rank's owned rows (see the module docstring)."""
+
+    def __init__(self, model, num_rest: int, device: torch.device):
+        self.model = model
+        self.num_rest = num_rest
+        self.device = device
+        self.columns = list(param_columns(num_rest).values())
+        self.width = self.columns[-1][1]
+        self._mark = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], optimizers, track: bool,
+            evidence: bool) -> UpdateResult:
+        model, width = self.model, self.width
+        n_owned = model.gauss_params["means"].shape[0]
+        if self._mark.shape[0] != n_owned:
+            self._mark = torch.zeros(n_owned, dtype=torch.int32, device=self.device)
+        for idx, piece in contributions:
+            self._mark.index_add_(0, idx, (piece[:, width + 1] > 0).to(torch.int32))
+        rows = torch.nonzero(self._mark).flatten()
+        self._mark[rows] = 0
+        T = rows.shape[0]
+        acc = torch.zeros((T + 1, width + 3), dtype=torch.float32, device=self.device)
+        radii = torch.zeros(T + 1, dtype=torch.float32, device=self.device)
+        for idx, piece in contributions:
+            pos = self._positions(rows, idx)
+            acc.index_add_(0, pos, piece)
+            radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
+        changed = torch.zeros((T, len(PARAM_NAMES)), dtype=torch.bool, device=self.device)
+        delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if evidence else None
+        for g, (name, (c0, c1)) in enumerate(zip(PARAM_NAMES, self.columns)):
+            param = model.gauss_params[name]
+            grad = acc[:T, c0:c1].reshape((T,) + tuple(param.shape[1:]))
+            before, after = optimizers.optimizers[name].step_rows(rows, grad.contiguous())
+            if T:
+                changed[:, g] = (after != before).flatten(1).any(dim=1)
+                if delta_sq is not None:
+                    delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
+        if track:
+            self._add_statistics(rows, acc[:T], radii[:T], n_owned)
+        return UpdateResult(rows, changed, delta_sq)
+
+    @staticmethod
+    def _positions(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Each index's place among the touched rows (T, the spare row, for an untouched one)."""
+        T = rows.shape[0]
+        if T == 0:
+            return torch.zeros_like(idx)
+        pos = torch.searchsorted(rows, idx)
+        hit = rows[pos.clamp(max=T - 1)] == idx
+        return torch.where(hit, pos, torch.full_like(pos, T))
+
+    def _add_statistics(self, rows, acc, radii, n_owned) -> None:
+        """gsplat's DefaultStrategy statistics of the touched rows: the sum of the views' screen-space gradient
+        norms, the number of views that saw the row, its largest normalized radius."""
+        state = self.model.strategy_state
+        for k in STATE_KEYS:
+            if state.get(k) is None or state[k].shape[0] != n_owned:
+                state[k] = torch.zeros(n_owned, device=self.device)
+        width = self.width
+        state["grad2d"].index_add_(0, rows, acc[:, width])
+        state["count"].index_add_(0, rows, acc[:, width + 1])
+        state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
+
+
+def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool) -> torch.Tensor:
+    """[M, D + 3] rows of one view: its gradient of every Gaussian it rendered (packed as the parameters), and
+    gsplat's densification statistics (screen-space gradient norm, visible 0/1, normalized radius)."""
+    from odin_ns.runtime.sharded import pack_params
+
+    m = leaves["means"].shape[0]
+    grads = pack_params({n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]))
+                         for n in PARAM_NAMES})
+    means2d = info["means2d"]
+    g2d = means2d.absgrad if absgrad else means2d.grad
+    g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
+    g2d[..., 0] *= info["width"] / 2.0 * info["n_cameras"]  # gsplat's DefaultStrategy._update_state
+    g2d[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
+    radii = info["radii"][0]
+    visible = radii > 0
+    norm = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
+    scaled_radii = radii / float(max(info["width"], info["height"]))
+    extra = torch.stack([norm, visible.to(norm.dtype), scaled_radii.to(norm.dtype)], dim=1)
+    return torch.cat([grads, extra.to(grads.dtype)], dim=1)

@@ -1,0 +1,85 @@
+"""The action list is the program: every message a real 2-rank run sent and received is the one its lists say.
+
+Each rank of a run records, when ODIN_NS_RECORD_MESSAGES is set (conftest sets it for the session), its program of
+every phase (the action lists the simulator replays and `odin-schedule --actions` prints) and every message it
+posted, in order (`runtime.transport.Channels`). For each policy's run on the shared city:
+- the sends are the lists' G and P actions, in list order;
+- exact policies: the receives are, in list order, one publication of update t-1 per W of step t and one gradient
+  message per reader of the step at each U (the readers: the ranks whose lists send G to this rank);
+- every pair of ranks: the messages one rank sent the other, in order, are the messages the other received from it,
+  in order (NCCL matches by order on a pair, never by tag; throughput-first's receives follow the evidence, but
+  never reorder a pair).
+Also: a handler that fails names the rank, the phase and the action.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from conftest import run_dir
+from odin_ns.runtime.interpreter import ActionError, Program
+from odin_ns.schedule.actions import Action, parse_action
+from test_distributed_equivalence import KEEP, city
+
+
+def recorded(out, ranks=2):
+    return [json.loads((run_dir(out) / f"odin_messages_rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def program_actions(record):
+    """Every phase's list of the rank, parsed back from its repr."""
+    out = []
+    for start, lines in record["programs"]:
+        acts = []
+        for line in lines:
+            step, _, body = line.partition(": ")
+            acts.append(parse_action(body, int(step)))
+        out.append(acts)
+    return out
+
+
+@pytest.mark.parametrize("method", ["odin-barrier", "odin", "odin-throughput"])
+def test_the_messages_of_a_run_are_its_action_lists(runs, method):
+    records = recorded(city(runs, 2, method, *([] if method == "odin" else KEEP)))  # the runs other tests check
+    phases = [program_actions(r) for r in records]
+    assert len(phases[0]) == len(phases[1]) >= 3
+    for rank, record in enumerate(records):
+        messages = [tuple(m) for m in record["messages"]]
+        sends = [m for m in messages if m[3] == "send"]
+        expected = [(a.kind, a.step, a.peer, "send") for phase in phases[rank] for a in phase if a.kind in "GP"]
+        assert sends == expected, f"rank {rank}: the sends are not the lists' G and P actions"
+        if method == "odin-throughput":
+            continue
+        other = 1 - rank
+        wanted = []
+        for p, phase in enumerate(phases[rank]):
+            for a in phase:
+                if a.kind == "W":
+                    wanted.append(("P", a.step - 1, a.peer, "recv"))
+                elif a.kind == "U":
+                    readers = {b.peer for b in phases[other][p] if b.kind == "G" and b.step == a.step}
+                    wanted += [("G", a.step, other, "recv")] if rank in readers else []
+                elif a.kind in "GP":
+                    wanted.append((a.kind, a.step, a.peer, "send"))
+        assert messages == wanted, f"rank {rank}: the messages are not the lists in order"
+    # every pair: what one rank sent the other, in order, is what the other received from it, in order
+    for a in (0, 1):
+        b = 1 - a
+        sent = [(m[0], m[1]) for m in records[a]["messages"] if m[3] == "send" and m[2] == b]
+        got = [(m[0], m[1]) for m in records[b]["messages"] if m[3] == "recv" and m[2] == a]
+        assert sent == got and sent, f"rank {a} -> rank {b}: sent {sent[:6]}..., received {got[:6]}..."
+
+
+def test_a_failing_handler_names_the_rank_the_phase_and_the_action():
+    program = Program([Action("R", 4, view=2), Action("G", 4, 1, (3,)), Action("U", 4, blocks=(0,))], rank=1,
+                      start=3, stop=6)
+    assert [a.kind for a in program.renders[4]] == ["R"] and [a.kind for a in program.post[4]] == ["G", "U"]
+
+    def broken(group):
+        raise ValueError("no such block")
+
+    with pytest.raises(ActionError, match=r"rank 1, phase 3-5, step 4: G b3->r1: ValueError: no such block"):
+        program.run(program.post[4], defaultdict(lambda: lambda group: None, G=broken))
