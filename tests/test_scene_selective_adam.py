@@ -333,3 +333,30 @@ def test_nerfstudio_config_and_optimizers_wrapper():
         opts.zero_grad_all()
     assert (p[vis] != 0).all() and (p[~vis] == 0).all() and (q[~vis] == 0).all()
     assert o.param_groups[0]["lr"] < 1e-2  # the scheduler drives SelectiveAdam like Adam
+
+
+def test_step_rows_equals_a_masked_step_through_parameter_replacements():
+    """`step_rows` (the owners' update of the touched rows) is `step(visibility)` with those rows visible, bit for
+    bit, and its step count stays right when the parameter is replaced with its state moved along (as
+    densification and rebuilds do): here the replacement alternates between two parameter objects, as memory
+    reuse can hand a new parameter an old one's id."""
+    g = torch.Generator().manual_seed(5)
+    init = torch.randn(40, 3, generator=g)
+    pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    spare = torch.nn.Parameter(init.clone())
+    a, b = SelectiveAdam([pa], lr=1e-2), SelectiveAdam([pb], lr=1e-2)
+    for t in range(12):
+        grad = torch.randn(40, 3, generator=g)
+        mask = torch.rand(40, generator=g) < 0.5
+        rows = torch.nonzero(mask).flatten()
+        a.step_rows(rows, grad[rows])
+        pb.grad = torch.where(mask[:, None], grad, torch.zeros_like(grad))
+        b.step(mask)
+        assert torch.equal(pa, pb) and torch.equal(a.state[pa]["step"], b.state[pb]["step"]), t
+        if t % 3 == 2:  # replace a's parameter, moving its state (the engine's _replace_param)
+            new = spare
+            new.data.copy_(pa.data)
+            state = a.state.pop(pa)
+            a.param_groups[0]["params"] = [new]
+            a.state[new] = state
+            spare, pa = pa, new

@@ -79,10 +79,9 @@ def per_step(stats: Dict, count_from: int) -> Dict:
     owned = summary["peak_gaussians_owned"]
     last = max(r["step"] for r in records)
     total = sum(r["gaussians_owned"] for r in records if r["step"] == last)  # densification is off: constant
-    resident = summary["peak_gaussians_resident"]
     out["gaussians"] = total
     out["owned_mean"] = statistics.mean(owned)
-    out["resident_share"] = [r / total for r in resident] if total else []
+    out["resident_share"] = summary["peak_resident_share"]
     out["blocks"] = round(summary["mean_blocks_total"])
     out["timed_steps"] = len({r["step"] for r in timed})
     return out

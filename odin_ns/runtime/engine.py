@@ -1,17 +1,14 @@
-"""One training step across ranks: the synchronous reference of DESIGN.md, run on sharded Gaussians.
+"""The engine of one rank: the synchronous reference of DESIGN.md, run on sharded Gaussians, phase by phase.
 
-Step t, on every rank r (one rank is the same with no peers):
-1. plan: every rank's views of step t (the schedule) and their read sets (blocks whose bounds meet the view's
-   frustum, from the replicated block table), the same on every rank;
-2. fetch (validate): owners send the remote blocks each reader lacks at their current version;
-3. compute: render each of this rank's views from its read set, loss, backward into per-view leaves;
-4. transfer (publish gradients): each view's gradients and densification statistics go to the blocks' owners;
-5. update: owners sum contributions in (rank, view) order, apply selective Adam to the Gaussians some view of the
-   step touched, bump those blocks' versions and bounds;
-6. barrier: the owners' table rows are all-gathered (the global synchronization of `odin-barrier`);
-7. phase boundary (refine steps): owners densify/prune their blocks (`scene.block_refine`), the table is synced.
-The result does not depend on how many ranks share the global batch: N ranks with one view each equal one rank
-with a micro-batch of N views, parameter for parameter.
+At a phase's start every rank derives the same `PhasePlan` from replicated data (the views of every rank at every
+step, their read sets from the block table's bounds inflated by the optimizer's largest motion, in one batched
+test) and takes its own program of the phase from the policy registry (`schedule.policies`). The pipeline's
+seams run the program step by step (`runtime.interpreter`): `validate` the actions before the step's renders
+(publications in), `render` its views, `publish` what follows (gradients out, the owners' update, publications
+out, odin-barrier's barrier); throughput-first runs its communication on a lane beside the renders
+(`runtime.lane`). The handlers work on row-indexed state (`runtime.rank_runtime`); phase boundaries (densify,
+prune, cut, rebalance, the table's sync) are `runtime.boundary`. The result does not depend on how many ranks
+share the global batch: N ranks with one view each equal one rank with a micro-batch of N views, bit for bit.
 """
 
 from __future__ import annotations
@@ -238,9 +235,11 @@ class OdinEngine(PhaseBoundary):
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
+        if self.env.distributed and getattr(self, "p2p_group", None) is None:
+            self.p2p_group = dist.new_group()  # collective: every rank makes it at start-up, in the same order
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
-                                   admit_update=self.admit_update)
+                                   admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
         self.plan = None
 
     # ---- phases ---------------------------------------------------------------------------------------------

@@ -49,14 +49,14 @@ class RankRuntime:
     """The handlers of one rank's actions and the row-indexed state they work on (see the module docstring)."""
 
     def __init__(self, env, log: WaitLog, device: torch.device, model, num_rest: int,
-                 groups: Sequence[Tuple[int, int]], micro_batch: int, admit_update: float = 0.0):
+                 groups: Sequence[Tuple[int, int]], micro_batch: int, admit_update: float = 0.0, p2p_group=None):
         self.env, self.log, self.device, self.model = env, log, device, model
         self.groups = list(groups)
         self.width = self.groups[-1][1]
         self.grad_width = self.width + 3
         self.micro_batch = micro_batch
         self.admit_update = admit_update
-        self.channels = Channels(device, log) if env.distributed else None
+        self.channels = Channels(device, log, p2p_group) if env.distributed else None
         self.owner_update = OwnerUpdate(model, num_rest, device)
         self.plan: Optional[PhasePlan] = None
         # throughput-first evidence: per block, the relative size of its last update (own blocks), as published

@@ -72,6 +72,7 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
                                           default=0) for q in range(world_size)],
         "peak_gaussians_resident": [max((r["gaussians_owned"] + r["gaussians_replicated"] for r in records
                                          if r["rank"] == q), default=0) for q in range(world_size)],
+        "peak_resident_share": resident_share(records, world_size),
         "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
                                       for q in range(world_size)],
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
@@ -86,6 +87,16 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "runtime_syncs_per_step": _mean(r["runtime_syncs"] for r in records if r.get("runtime_syncs") is not None),
         **stale_summary(records),
     }
+
+
+def resident_share(records: List[dict], world_size: int) -> List[float]:
+    """Per rank, the largest share of the model (all ranks' owned rows at that step) it held at a step: owned rows
+    plus the replicas its arena held then."""
+    model: Dict[int, int] = {}
+    for r in records:
+        model[r["step"]] = model.get(r["step"], 0) + r["gaussians_owned"]
+    return [max(((r["gaussians_owned"] + r["gaussians_replicated"]) / model[r["step"]] for r in records
+                 if r["rank"] == q and model.get(r["step"])), default=0.0) for q in range(world_size)]
 
 
 def stale_summary(records: List[dict]) -> Dict:

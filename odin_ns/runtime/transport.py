@@ -73,11 +73,16 @@ class Channels:
     """One rank's ordered point-to-point messages. `batch(sends, recvs)` posts the sends (kept alive until they
     complete) and the receives in one `batch_isend_irecv` and waits for the receives; the time is the wait of the
     named cause. With recording on, every message is noted as (kind, step, peer, "send"/"recv") in posting order
-    (payloads and headers of one message count once, as the header's)."""
+    (payloads and headers of one message count once, as the header's).
 
-    def __init__(self, device: torch.device, log: WaitLog):
+    The channels have a process group of their own (`group`: every rank, made once at start-up): whole-model
+    gathers and collectives in the middle of a phase (the viewer's refresh, an evaluation) run on the default group
+    and so never come between two messages of a pair that the order matches."""
+
+    def __init__(self, device: torch.device, log: WaitLog, group=None):
         self.device = device
         self.log = log
+        self.group = group
         self._pending: List[Tuple[dist.Work, torch.Tensor]] = []
         self.record: Optional[List[list]] = [] if os.environ.get(RECORD_ENV) else None
 
@@ -93,13 +98,13 @@ class Channels:
             if tensor.numel() == 0:
                 continue
             tensor = tensor.contiguous()
-            ops.append(dist.P2POp(dist.isend, tensor, peer))
+            ops.append(dist.P2POp(dist.isend, tensor, peer, group=self.group))
             sent += tensor.numel() * tensor.element_size()
         recv_ops = []
         for peer, tensor in recvs:
             if tensor.numel() == 0:
                 continue
-            ops.append(dist.P2POp(dist.irecv, tensor, peer))
+            ops.append(dist.P2POp(dist.irecv, tensor, peer, group=self.group))
             recv_ops.append(len(ops) - 1)
             received += tensor.numel() * tensor.element_size()
         if not ops:

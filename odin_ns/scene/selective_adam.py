@@ -80,7 +80,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, eps=eps, betas=tuple(betas), bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.require_visibility = require_visibility
-        self._counts: dict = {}  # id(param) -> (its step tensor, its value): see step_rows
+        self._counts: dict = {}  # id(step tensor) -> (the tensor, its value): see _advance
         self.visibility: Optional[Tensor] = None
 
     @torch.no_grad()
@@ -102,13 +102,25 @@ class SelectiveAdam(torch.optim.Optimizer):
                 self._update(p, group, visibility)
         return loss
 
+    def _advance(self, state: dict) -> float:
+        """Count one step in state["step"] and return the new count as a Python number, read from the tensor once
+        and then kept beside it (keyed by the tensor itself, which moves with the state when a parameter is
+        replaced): reading the tensor at every step would be a host read per parameter and step (it lives on the
+        CPU, as torch.optim keeps it, even for CUDA parameters)."""
+        tensor = state["step"]
+        tensor += 1
+        known = self._counts.get(id(tensor))
+        value = known[1] + 1.0 if known is not None and known[0] is tensor else float(tensor.item())
+        self._counts[id(tensor)] = (tensor, value)
+        return value
+
     def _update(self, p: Tensor, group: dict, visibility: Optional[Tensor]) -> None:
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        step = self._advance(state)
         grad = p.grad
         if grad is None:
             return
@@ -124,7 +136,6 @@ class SelectiveAdam(torch.optim.Optimizer):
                 if rows.numel() == 0:
                     return
         lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
-        step = float(state["step"].item())
         if group["bias_correction"]:
             bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
         else:
@@ -153,12 +164,7 @@ class SelectiveAdam(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        # the count as a Python number beside the tensor (read from it once): reading a tensor every step would be a
-        # host read per parameter (the tensor lives on the CPU, as torch.optim keeps it, even for CUDA parameters)
-        known = self._counts.get(id(p))
-        step = known[1] + 1.0 if known is not None and known[0] is state["step"] else float(state["step"].item())
-        self._counts[id(p)] = (state["step"], step)
+        step = self._advance(state)
         self.visibility = None
         before = p.index_select(0, rows)
         if rows.numel() == 0:
