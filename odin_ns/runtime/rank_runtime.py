@@ -617,15 +617,14 @@ class RankRuntime:
                                    bool(full.any()))
         return self._messages[key]
 
-    def publish(self, update: int, readers: Sequence[int], owned: Optional[torch.Tensor] = None) -> None:
+    def publish(self, update: int, readers: Sequence[int]) -> None:
         """Push update `update` (start-1: the phase-start state, whole) to `readers`: for each, the rows of its
         blocks that begin a stay, and the rows this update changed of the others, with the changed parameters.
         One host read for every reader's row count."""
         if self.channels is None or not readers:
             return
         evidence = bool(self.plan.staleness)
-        packed = owned if owned is not None else torch.cat(
-            [self.model.gauss_params[n].detach().flatten(1) for n in _NAMES], dim=1)
+        params = [self.model.gauss_params[n].detach().flatten(1) for n in _NAMES]
         if update >= self.plan.start and self.last is not None:
             candidates = self.last.rows
             flag = self.last.changed.any(dim=1)
@@ -651,9 +650,9 @@ class RankRuntime:
             blk = self.row_block_d[rows]
             k = offset[self.own_local_d[blk]] + (rows - self.home_start_d[blk])
             used = [True] * GROUPS if any_full else changed_groups
-            values = packed.index_select(0, rows)
-            if not all(used):
-                values = values[:, group_columns(used, self.groups, self.device)]
+            # the rows it carries, only the parameters it carries (no copy of the whole shard)
+            values = torch.cat([t.index_select(0, rows) for t, u in zip(params, used) if u], dim=1) if any(used) \
+                else torch.zeros((rows.shape[0], 0), device=self.device)
             extras = self.extras_out.get(update + 1, {}).get(q, [])
             header = torch.tensor([rows.shape[0], len(extras)] + [int(u) for u in used], dtype=torch.int64)
             if evidence:
@@ -661,7 +660,8 @@ class RankRuntime:
             sends += [(q, header.to(self.device)), (q, with_index(k, values)),
                       (q, torch.tensor([x for pair in extras for x in pair], dtype=torch.int64, device=self.device))]
             if extras:
-                sends.append((q, torch.cat([packed[self.ranges[b][0]:self.ranges[b][1]] for _, b in extras])))
+                sends.append((q, torch.cat([torch.cat([t[self.ranges[b][0]:self.ranges[b][1]] for t in params], dim=1)
+                                            for _, b in extras])))
             self.channels.note("P", update, q, "send")
         self.channels.batch(sends, [], "transfer")
 
