@@ -397,7 +397,7 @@ class OdinEngine(PhaseBoundary):
         record = self.log.begin(step)
         if self.plan is None or not self.plan.contains(step):
             record.phase_start = True
-            with self.log.waiting("phase"):
+            with self.log.waiting("phase"), self.ops.paused():  # a phase's planning is not a step's work
                 self._begin_phase(step, optimizers)
         self.optimizers = optimizers
         views = self.plan.rank_views(step, self.env.rank)
@@ -456,7 +456,8 @@ class OdinEngine(PhaseBoundary):
             self.program.run(self.program.post[step], self._handlers(step, optimizers))
             runtime.forget_step(step)
         if step + 1 == plan.stop:
-            self._end_phase(step, optimizers)
+            with self.ops.paused():  # a phase boundary is not a step's work
+                self._end_phase(step, optimizers)
         record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0

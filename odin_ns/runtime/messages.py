@@ -4,10 +4,10 @@ Both are a fixed-size int64 header, whose length both sides derive from the plan
 row) one float32 payload of rows. Row indices travel as a float32 column (exact below 2^24 rows per message).
 
 Gradients of step t from reader q to owner o: header = [rows of each of q's views (micro-batch entries)] + [a
-column mask over the D+3 gradient columns]; payload rows = [the row's index in o's owned rows, the columns of
-the mask]. Only the rows of o's blocks that are not all zero travel (a Gaussian a view did not touch contributes
-exact zeros, and adding zeros changes no sum), and only the columns that are not zero in every row (the SH
-coefficients above the active degree); the owner puts zeros back.
+mask over the six parameters and the densification statistics]; payload rows = [the row's index in o's owned rows,
+the columns of the masked groups]. Only the rows of o's blocks that are not all zero travel (a Gaussian a view did
+not touch contributes exact zeros, and adding zeros changes no sum), and only the parameters whose gradient is not
+zero in every row (the SH coefficients above the active degree); the owner puts zeros back.
 
 Publication of update u from owner o to reader q: header = [rows, extra blocks, a mask over the six parameters]
 + [throughput-first: each published block's evidence, float64 bits]; payload rows = [the row's index among the
@@ -25,8 +25,8 @@ import torch
 GROUPS = 6  # means, scales, quats, features_dc, features_rest, opacities
 
 
-def grad_header_size(micro_batch: int, grad_width: int) -> int:
-    return micro_batch + grad_width
+def grad_header_size(micro_batch: int, groups: int) -> int:
+    return micro_batch + groups
 
 
 def pub_header_size(num_blocks: int, evidence: bool) -> int:

@@ -93,6 +93,15 @@ class OpCounter:
         with _Function(self.counts), _Dispatch(self.counts):
             yield
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """What runs inside is not counted (a phase's start or end inside a counted step)."""
+        saved = dict(self.counts)
+        try:
+            yield
+        finally:
+            self.counts.update(saved)
+
     def take(self) -> Dict[str, int]:
         """The counts since the last take (reset)."""
         out, self.counts = dict(self.counts), {"ops": 0, "syncs": 0}

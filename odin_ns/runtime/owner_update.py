@@ -99,12 +99,21 @@ class OwnerUpdate:
 
 def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool) -> torch.Tensor:
     """[M, D + 3] rows of one view: its gradient of every Gaussian it rendered (packed as the parameters), and
-    gsplat's densification statistics (screen-space gradient norm, visible 0/1, normalized radius)."""
-    from odin_ns.runtime.sharded import pack_params
-
+    gsplat's densification statistics (screen-space gradient norm, visible 0/1, normalized radius), written into one
+    buffer."""
     m = leaves["means"].shape[0]
-    grads = pack_params({n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]))
-                         for n in PARAM_NAMES})
+    widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
+              for n in PARAM_NAMES]
+    width = sum(widths)
+    out = torch.empty((m, width + 3), dtype=leaves["means"].dtype, device=leaves["means"].device)
+    col = 0
+    for n, w in zip(PARAM_NAMES, widths):
+        grad = leaves[n].grad
+        if grad is None:
+            out[:, col:col + w] = 0
+        else:
+            out[:, col:col + w] = grad.reshape(m, w)
+        col += w
     means2d = info["means2d"]
     g2d = means2d.absgrad if absgrad else means2d.grad
     g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
@@ -112,7 +121,7 @@ def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool
     g2d[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
     radii = info["radii"][0]
     visible = radii > 0
-    norm = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
-    scaled_radii = radii / float(max(info["width"], info["height"]))
-    extra = torch.stack([norm, visible.to(norm.dtype), scaled_radii.to(norm.dtype)], dim=1)
-    return torch.cat([grads, extra.to(grads.dtype)], dim=1)
+    out[:, width] = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
+    out[:, width + 1] = visible.to(out.dtype)
+    out[:, width + 2] = (radii / float(max(info["width"], info["height"]))).to(out.dtype)
+    return out

@@ -54,6 +54,8 @@ class RankRuntime:
         self.groups = list(groups)
         self.width = self.groups[-1][1]
         self.grad_width = self.width + 3
+        # what a gradient message's header says travels: each parameter's columns, and the densification statistics
+        self.grad_groups = self.groups + [(self.width, self.grad_width)]
         self.micro_batch = micro_batch
         self.admit_update = admit_update
         self.channels = Channels(device, log, p2p_group) if env.distributed else None
@@ -105,7 +107,7 @@ class RankRuntime:
         self.reads = reads
         self.arena = Arena(ArenaPlan(plan.start, plan.stop, reads[:, me].any(dim=1), self.owner, self.count, me,
                                      plan.staleness), self.width, self.device)
-        self.envelope = envelope
+        self.envelope = tuple(t.to(self.device) for t in envelope)  # the bounds the phase was planned with
         self.extras_in: Dict[int, Dict[int, List[int]]] = {}
         self.extras_self: Dict[int, Dict[int, List[int]]] = {}
         self.extra_rows: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -373,23 +375,21 @@ class RankRuntime:
         """[M, D] packed rows of view `slot` of this rank at `step`, in ascending block order, and the block ids
         (the read set plus any block added after a miss). `owned`: packed owned rows to read the rank's own blocks
         from (a throughput-first version), or None for the parameters themselves."""
-        ids, counts, total, is_own, index = self._view_plan(step, slot)
+        ids, counts, total, split = self._view_plan(step, slot)
         extra = list(self.extras_in.get(step, {}).get(slot, []))
         if own_current:
             extra += self.extras_self.get(step, {}).get(slot, [])
         if extra:
             return self._view_rows_with_extras(step, ids.tolist() + extra, owned)
-        own_index = torch.where(is_own, index, torch.zeros_like(index))
-        rep_index = torch.where(is_own, torch.zeros_like(index), index)
-        if owned is None:
-            own_rows = torch.cat([self.model.gauss_params[n].detach().flatten(1).index_select(0, own_index)
-                                  for n in _NAMES], dim=1) if self.n_owned else \
-                torch.zeros((total, self.width), device=self.device)
-        else:
-            own_rows = owned.index_select(0, own_index) if self.n_owned else \
-                torch.zeros((total, self.width), device=self.device)
-        rep_rows = self.arena.rows.index_select(0, rep_index) if self.arena.rows.shape[0] else own_rows
-        return torch.where(is_own[:, None], own_rows, rep_rows), self.plan.view_reads(step, self.env.rank)[slot]
+        own_pos, own_index, rep_pos, rep_index = split
+        rows = torch.empty((total, self.width), dtype=torch.float32, device=self.device)
+        if own_pos.numel():
+            source = [self.model.gauss_params[n].detach().flatten(1) for n in _NAMES] if owned is None else [owned]
+            rows.index_copy_(0, own_pos, torch.cat([t.index_select(0, own_index) for t in source], dim=1)
+                             if len(source) > 1 else source[0].index_select(0, own_index))
+        if rep_pos.numel():
+            rows.index_copy_(0, rep_pos, self.arena.rows.index_select(0, rep_index))
+        return rows, self.plan.view_reads(step, self.env.rank)[slot]
 
     def _view_plan(self, step: int, slot: int):
         key = (step, slot)
@@ -404,7 +404,9 @@ class RankRuntime:
                 raise OdinRuntimeError(f"step {step}: view {slot} reads blocks the arena does not hold")
             index = expand_ranges(starts, counts, total)
             is_own = torch.repeat_interleave(own, counts, output_size=total)
-            self._views[key] = (ids, counts, total, is_own, index)
+            own_pos, rep_pos = torch.nonzero(is_own).flatten(), torch.nonzero(~is_own).flatten()
+            split = tuple(t.to(self.device) for t in (own_pos, index[own_pos], rep_pos, index[rep_pos]))
+            self._views[key] = (ids, counts, total, split)
         return self._views[key]
 
     def _view_rows_with_extras(self, step: int, ids: List[int], owned: Optional[torch.Tensor]):
@@ -456,19 +458,20 @@ class RankRuntime:
                        owners: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Send each owner in `owners` its rows of the step's contributions (one batch); return this rank's own
         contributions (owned row indices, rows) per view, for its update."""
-        me, mb, G = self.env.rank, len(contributions), self.grad_width
+        me, mb = self.env.rank, len(contributions)
         owner, home, view, order, own = self._route(step, view_ids)
         rows = torch.cat(list(contributions)) if len(contributions) > 1 else contributions[0]
         mine = [(index, rows.index_select(0, at)) for at, index in own]
         if not owners:
             return mine
-        R = self.plan.num_ranks
-        keep = (owner != me) & (rows != 0).any(dim=1)
+        R, spans = self.plan.num_ranks, self.grad_groups
+        nonzero = torch.stack([(rows[:, c0:c1] != 0).any(dim=1) for c0, c1 in spans], dim=1)  # [M, groups]
+        keep = (owner != me) & nonzero.any(dim=1)
         per_segment = torch.zeros(R * mb, dtype=torch.int64, device=self.device).index_add_(
             0, owner * mb + view, keep.to(torch.int64))
-        used = torch.zeros((R, G), dtype=torch.int64, device=self.device).index_reduce_(
-            0, owner, ((rows != 0) & keep[:, None]).to(torch.int64), "amax")
-        header_values = torch.cat([per_segment.view(R, mb), used], dim=1)  # [R, mb + G]
+        used = torch.zeros((R, len(spans)), dtype=torch.int64, device=self.device).index_reduce_(
+            0, owner, (nonzero & keep[:, None]).to(torch.int64), "amax")
+        header_values = torch.cat([per_segment.view(R, mb), used], dim=1)  # [R, mb + groups]
         host = header_values.tolist()  # the one host read
         total = sum(sum(h[:mb]) for h in host)
         picked = order[torch.nonzero_static(keep[order], size=total).flatten()] if total else order[:0]
@@ -479,7 +482,7 @@ class RankRuntime:
             start += n
             if o not in owners:
                 continue
-            cols = torch.tensor([c for c, u in enumerate(host[o][mb:]) if u], dtype=torch.int64, device=self.device)
+            cols = group_columns(host[o][mb:], spans, self.device)
             sends += [(o, header_values[o].contiguous()), (o, with_index(home[these], rows[these][:, cols]))]
             self.channels.note("G", step, o, "send")
         self.channels.batch(sends, [], "transfer")
@@ -489,23 +492,26 @@ class RankRuntime:
         """Every reader's gradients of `step` on this rank's blocks: per reader, per view (owned rows, rows)."""
         if not readers:
             return {}
-        mb, G = self.micro_batch, self.grad_width
-        headers = [torch.empty(grad_header_size(mb, G), dtype=torch.int64, device=self.device) for _ in readers]
+        mb, G, spans = self.micro_batch, self.grad_width, self.grad_groups
+        headers = [torch.empty(grad_header_size(mb, len(spans)), dtype=torch.int64, device=self.device)
+                   for _ in readers]
         self.channels.batch([], list(zip(readers, headers)), "transfer")
         for q in readers:
             self.channels.note("G", step, q, "recv")
         host = torch.stack(headers).tolist()  # the one host read
         payloads = []
         for k, q in enumerate(readers):
-            payloads.append(torch.empty((sum(host[k][:mb]), 1 + sum(host[k][mb:])), dtype=torch.float32,
-                                        device=self.device))
+            width = sum(c1 - c0 for u, (c0, c1) in zip(host[k][mb:], spans) if u)
+            payloads.append(torch.empty((sum(host[k][:mb]), 1 + width), dtype=torch.float32, device=self.device))
         self.channels.batch([], list(zip(readers, payloads)), "transfer")
         out = {}
         for k, q in enumerate(readers):
-            cols = torch.tensor([c for c, u in enumerate(host[k][mb:]) if u], dtype=torch.int64, device=self.device)
             pay = payloads[k]
-            full = torch.zeros((pay.shape[0], G), dtype=torch.float32, device=self.device)
-            full[:, cols] = pay[:, 1:]  # the columns that did not travel are zeros
+            if all(host[k][mb:]):
+                full = pay[:, 1:]
+            else:
+                full = torch.zeros((pay.shape[0], G), dtype=torch.float32, device=self.device)
+                full[:, group_columns(host[k][mb:], spans, self.device)] = pay[:, 1:]  # the others are zeros
             idx = pay[:, 0].long()
             per_view, start = [], 0
             for n in host[k][:mb]:
@@ -530,7 +536,7 @@ class RankRuntime:
         self.last = result
         if result.delta_sq is not None and self.n_owned:
             d = torch.zeros(len(self.own_ids), dtype=torch.float64).index_add_(
-                0, self.own_local[self.row_block[result.rows]], result.delta_sq.cpu())
+                0, self.own_local[self.row_block[result.rows.cpu()]], result.delta_sq.cpu())
             hit = d > 0
             self.rel_now[self.own_ids[hit]] = torch.sqrt(d[hit] / self.norm_sq[hit].clamp_min(1e-30))
         self.rel_hist[step] = self.rel_now.clone()
@@ -558,7 +564,7 @@ class RankRuntime:
         i = plan.index(step)
         motion, growth = plan.motion[i], plan.growth[i]
         env_lo, env_hi, env_scale = self.envelope
-        blocks = self.row_block[rows]
+        blocks = self.row_block_d[rows]
         means = self.model.gauss_params["means"].detach()[rows]
         scale = torch.exp(self.model.gauss_params["scales"].detach()[rows]).amax(dim=1)
         inside = ((means >= env_lo[blocks] - motion).all(dim=1) & (means <= env_hi[blocks] + motion).all(dim=1)
