@@ -146,6 +146,7 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "read_set_misses": s["read_set_misses"], "misses_handled": s["misses_handled"],
             "mean_blocks_read": s["mean_blocks_read"], "mean_blocks_total": s["mean_blocks_total"],
             "peak_resident_share": s.get("peak_resident_share", []),
+            "replicas_over_window": s.get("replicas_over_window", []),
             "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
             "max_staleness_seen": s.get("max_staleness_seen", 0),
         })
@@ -167,7 +168,8 @@ def print_table(rows: List[Dict], title: str) -> None:
                       *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s", "loop_s", "wait_validate_s",
                                                 "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}",
-                      "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) or "-",
+                      "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " (" +
+                      "/".join(f"{x:.2f}" for x in r["replicas_over_window"]) + "x)",
                       f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
                       "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
     Console(width=200).print(table)
@@ -175,7 +177,8 @@ def print_table(rows: List[Dict], title: str) -> None:
           "busiest rank's render + update in the barrier run on Odin's schedule. 'At equal speed': speed-up and "
           "wait hidden with each run's wall scaled by how much faster or slower the ranks' own work (wall minus "
           "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs). 'resident': per rank, the "
-          "largest share of the model it held at a step (owned + replicas). 'stale/refused': block reads "
+          "largest share of the model it held at a step (owned + replicas), and in brackets the replicas it held in a phase "
+          "over the most remote rows its views read in one window of the phase. 'stale/refused': block reads "
           "admitted behind the newest version, and refused (waited for).")
 
 

@@ -438,7 +438,7 @@ class OdinEngine(PhaseBoundary):
                 record.loss += float(loss.detach()) / len(views)
             contributions.append(contribution_rows(leaves, model.info, model.strategy.absgrad))
             model.render_params = None
-        record.gaussians_replicated = runtime.resident(step)
+        record.gaussians_replicated, record.gaussians_window = runtime.resident(step)
         record.blocks_read = len({b for ids in view_ids for b in ids})
         return loss, loss_dict, metrics_dict, contributions, view_ids
 

@@ -148,9 +148,11 @@ class RankRuntime:
             for q in plan.pub_readers(u, me):
                 self._owner_layout(u, q)
 
-    def resident(self, step: int) -> int:
-        """Arena rows held at `step` (what the replicas cost this rank then)."""
-        return int(self.arena.plan.resident[self.plan.index(step)])
+    def resident(self, step: int) -> Tuple[int, int]:
+        """(the arena's rows: what the replicas cost this rank this phase, the rows of the remote blocks its views
+        read in the publication window of `step`, what a replica store must hold at least)."""
+        plan = self.arena.plan
+        return self.arena.rows.shape[0], int(plan.window_rows[plan.index(update=step - 1)])
 
     def finish(self) -> None:
         """End of a phase: every publication still owed to this rank taken (reads admitted behind skipped some),

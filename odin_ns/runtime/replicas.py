@@ -94,10 +94,11 @@ class ArenaPlan:
             self.pub_slot[u0:u1 + 1, b] = where
             self.full[u0, b] = True
         self.capacity = top
-        counts_t = count.to(torch.int64)
-        self.resident = (torch.where(self.slot_at >= 0, counts_t[None, :], 0)).sum(dim=1)  # rows held per step
+        # rows of the remote blocks read in each publication's window (the least any replica store holds then)
+        self.window_rows = torch.where(pub, count.to(torch.int64)[None, :], 0).sum(dim=1)
 
     def index(self, update: int) -> int:
+        """The row of publication `update` (start-1 .. stop-2) in `pub`, `pub_slot`, `window_rows`."""
         return update - self.start + 1
 
 

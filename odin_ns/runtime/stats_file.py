@@ -73,6 +73,7 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "peak_gaussians_resident": [max((r["gaussians_owned"] + r["gaussians_replicated"] for r in records
                                          if r["rank"] == q), default=0) for q in range(world_size)],
         "peak_resident_share": resident_share(records, world_size),
+        "replicas_over_window": replicas_over_window(records, world_size),
         "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
                                       for q in range(world_size)],
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
@@ -97,6 +98,25 @@ def resident_share(records: List[dict], world_size: int) -> List[float]:
         model[r["step"]] = model.get(r["step"], 0) + r["gaussians_owned"]
     return [max(((r["gaussians_owned"] + r["gaussians_replicated"]) / model[r["step"]] for r in records
                  if r["rank"] == q and model.get(r["step"])), default=0.0) for q in range(world_size)]
+
+
+def replicas_over_window(records: List[dict], world_size: int) -> List[float]:
+    """Per rank, the largest ratio over its phases of the replica rows it held in a phase (the arena) to the most
+    remote rows its views read within one publication window of that phase (what any replica store must hold)."""
+    out = []
+    for q in range(world_size):
+        worst, phase = 0.0, []
+        mine = sorted((r for r in records if r["rank"] == q), key=lambda r: r["step"])
+        for r in mine + [None]:
+            if r is None or (r.get("phase_start") and phase):
+                window = max((x.get("gaussians_window", 0) for x in phase), default=0)
+                if window:
+                    worst = max(worst, max(x["gaussians_replicated"] for x in phase) / window)
+                phase = []
+            if r is not None:
+                phase.append(r)
+        out.append(worst)
+    return out
 
 
 def stale_summary(records: List[dict]) -> Dict:

@@ -37,7 +37,8 @@ class StepRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     gaussians_owned: int = 0
-    gaussians_replicated: int = 0
+    gaussians_replicated: int = 0  # replica rows held (the phase's arena)
+    gaussians_window: int = 0  # rows of the remote blocks the rank reads in the step's publication window
     blocks_read: int = 0
     blocks_total: int = 0
     loss: float = 0.0
@@ -65,6 +66,7 @@ class StepRecord:
             "wall_s": self.wall_s, "started": self.started,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
+            "gaussians_window": self.gaussians_window,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
             "plan_violations": self.plan_violations, "phase_start": self.phase_start,
