@@ -235,8 +235,10 @@ class OdinEngine(PhaseBoundary):
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
-        if self.env.distributed and getattr(self, "p2p_group", None) is None:
-            self.p2p_group = dist.new_group()  # collective: every rank makes it at start-up, in the same order
+        if self.env.distributed and dist.is_initialized() and getattr(self, "p2p_group", None) is None:
+            # collective: every rank makes it at start-up, in the same order (a preview, odin-schedule, has no
+            # process group and never sends)
+            self.p2p_group = dist.new_group()
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
