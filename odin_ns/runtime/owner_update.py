@@ -8,8 +8,8 @@ densification statistics), one per view, in the reference order (rank, then view
    `index_add_` per contribution (the rows of one contribution are distinct, so each row's sum is the same
    sequence of additions on every rank count; rows a view did not touch go to a spare row that is dropped);
 3. applies selective Adam to those rows only (`SelectiveAdam.step_rows`: no gradient or mask the size of the
-   shard), parameter by parameter, and notes which parameters of which rows changed (what the publications
-   carry) and, for throughput-first's evidence, each row's squared change;
+   shard), parameter by parameter, and notes which parameters may have changed (what the publications carry:
+   every touched row, only those parameters) and, for throughput-first's evidence, each row's squared change;
 4. adds the densification statistics (screen-space gradient norms, visibility counts, largest radii) of those rows.
 A row no view touched is not read or written, moments included.
 """
@@ -27,8 +27,9 @@ from odin_ns.scene.block_refine import STATE_KEYS
 
 @dataclass
 class UpdateResult:
-    rows: torch.Tensor  # [T] owned rows the step touched, ascending
-    changed: torch.Tensor  # [T, 6] bool: which parameters of each row the update changed
+    rows: torch.Tensor  # [T] owned rows the step touched, ascending (what a publication of the update carries)
+    live: torch.Tensor  # [6] bool: the parameters the update may have changed (some touched row's first moment is
+    # not zero: where it is, Adam's step is zero; the SH coefficients above the active degree stay zero until then)
     delta_sq: Optional[torch.Tensor]  # [T] float64: squared change of the row's packed parameters (evidence)
 
 
@@ -60,19 +61,20 @@ class OwnerUpdate:
             pos = self._positions(rows, idx)
             acc.index_add_(0, pos, piece)
             radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
-        changed = torch.zeros((T, len(PARAM_NAMES)), dtype=torch.bool, device=self.device)
+        live = torch.zeros(len(PARAM_NAMES), dtype=torch.bool, device=self.device)
         delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if evidence else None
         for g, (name, (c0, c1)) in enumerate(zip(PARAM_NAMES, self.columns)):
             param = model.gauss_params[name]
             grad = acc[:T, c0:c1].reshape((T,) + tuple(param.shape[1:]))
-            before, after = optimizers.optimizers[name].step_rows(rows, grad.contiguous())
+            before, after, moment = optimizers.optimizers[name].step_rows(rows, grad.contiguous(),
+                                                                          keep_before=evidence)
             if T:
-                changed[:, g] = (after != before).flatten(1).any(dim=1)
+                live[g] = moment.any()  # no host read: the publication reads it with its row counts
                 if delta_sq is not None:
                     delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
         if track:
             self._add_statistics(rows, acc[:T], radii[:T], n_owned)
-        return UpdateResult(rows, changed, delta_sq)
+        return UpdateResult(rows, live, delta_sq)
 
     @staticmethod
     def _positions(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

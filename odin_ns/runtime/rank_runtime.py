@@ -9,7 +9,7 @@ of one kind to the handler here:
   selective Adam to the touched rows (`owner_update`); check that the rows that moved stay inside the bounds
   the phase was planned with;
 - P (`publish`): the rows of the update each next reader needs (whole blocks beginning a stay, else the rows the
-  update changed);
+  update touched);
 - B: the global barrier.
 State is indexed by rows: the owned rows are the model's parameters (owned blocks in id order), the arena holds the
 replicas, and every per-step index (which rows a view renders, which rows go to which owner, which rows a
@@ -467,13 +467,15 @@ class RankRuntime:
         if not owners:
             return mine
         R, spans = self.plan.num_ranks, self.grad_groups
-        nonzero = torch.stack([(rows[:, c0:c1] != 0).any(dim=1) for c0, c1 in spans], dim=1)  # [M, groups]
-        keep = (owner != me) & nonzero.any(dim=1)
+        # a row travels if its view saw it (the owner's update touches only those; an unseen row's gradient is
+        # zero); a parameter's columns travel if they are not zero in every row of the step (one pass, for all
+        # owners: the SH coefficients above the active degree stay home until they train)
+        keep = (owner != me) & (rows[:, self.width + 1] > 0)
         per_segment = torch.zeros(R * mb, dtype=torch.int64, device=self.device).index_add_(
             0, owner * mb + view, keep.to(torch.int64))
-        used = torch.zeros((R, len(spans)), dtype=torch.int64, device=self.device).index_reduce_(
-            0, owner, (nonzero & keep[:, None]).to(torch.int64), "amax")
-        header_values = torch.cat([per_segment.view(R, mb), used], dim=1)  # [R, mb + groups]
+        nonzero_cols = rows.ne(0).any(dim=0)
+        used = torch.stack([nonzero_cols[c0:c1].any() for c0, c1 in spans]).to(torch.int64)
+        header_values = torch.cat([per_segment.view(R, mb), used.expand(R, -1)], dim=1)  # [R, mb + groups]
         host = header_values.tolist()  # the one host read
         total = sum(sum(h[:mb]) for h in host)
         picked = order[torch.nonzero_static(keep[order], size=total).flatten()] if total else order[:0]
@@ -627,7 +629,7 @@ class RankRuntime:
 
     def publish(self, update: int, readers: Sequence[int]) -> None:
         """Push update `update` (start-1: the phase-start state, whole) to `readers`: for each, the rows of its
-        blocks that begin a stay, and the rows this update changed of the others, with the changed parameters.
+        blocks that begin a stay, and the rows this update touched of the others, with the parameters it may have changed.
         One host read for every reader's row count."""
         if self.channels is None or not readers:
             return
@@ -635,20 +637,16 @@ class RankRuntime:
         params = [self.model.gauss_params[n].detach().flatten(1) for n in _NAMES]
         if update >= self.plan.start and self.last is not None:
             candidates = self.last.rows
-            flag = self.last.changed.any(dim=1)
-            groups = self.last.changed.any(dim=0)
+            groups = self.last.live
             if self.moved_rows:
-                moved = torch.cat(self.moved_rows)
-                candidates = torch.cat([candidates, moved])
-                flag = torch.cat([flag, torch.ones_like(moved, dtype=torch.bool)])
+                candidates = torch.cat([candidates] + self.moved_rows)
                 groups = torch.ones(GROUPS, dtype=torch.bool, device=self.device)
         else:
             candidates = torch.zeros(0, dtype=torch.int64, device=self.device)
-            flag = torch.zeros(0, dtype=torch.bool, device=self.device)
             groups = torch.zeros(GROUPS, dtype=torch.bool, device=self.device)
         layouts = [self._owner_layout(update, q) for q in readers]
         local = self.own_local_d[self.row_block_d[candidates]]
-        selects = [delta[local] & flag for _, _, delta, _, _ in layouts]
+        selects = [delta[local] for _, _, delta, _, _ in layouts]
         counts = torch.stack([sel.sum() for sel in selects]) if selects else torch.zeros(0, dtype=torch.int64)
         host = torch.cat([counts, groups.to(torch.int64)]).tolist()  # the one host read
         n_delta, changed_groups = host[:len(readers)], [bool(g) for g in host[len(readers):]]

@@ -152,11 +152,13 @@ class SelectiveAdam(torch.optim.Optimizer):
 
 
     @torch.no_grad()
-    def step_rows(self, rows: Tensor, grad: Tensor) -> Tuple[Tensor, Tensor]:
+    def step_rows(self, rows: Tensor, grad: Tensor, keep_before: bool = False
+                  ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
         """One update of this optimizer's (single) parameter on the given rows only, with their gradient rows: the
         same arithmetic as `step(visibility)` with exactly those rows visible, without a gradient or a mask the
         size of the parameter (the owner's update touches what the step touched). The step count advances as in
-        `step`. Returns the rows' values before and after."""
+        `step`. Returns the rows' values before (only if `keep_before`: a copy), after, and their first moment
+        after (a row whose first moment is all zero did not change: its step is zero)."""
         (group,) = self.param_groups
         (p,) = group["params"]
         state = self.state[p]
@@ -166,21 +168,22 @@ class SelectiveAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step = self._advance(state)
         self.visibility = None
-        before = p.index_select(0, rows)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        p_r, m_r = p.index_select(0, rows), m.index_select(0, rows)
+        before = p_r.clone() if keep_before else None
         if rows.numel() == 0:
-            return before, before
+            return before, p_r, m_r
         lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
         if group["bias_correction"]:
             bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
         else:
             bias1, bias2_sqrt = 1.0, 1.0
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        p_r, m_r, v_r = before.clone(), m.index_select(0, rows), v.index_select(0, rows)
+        v_r = v.index_select(0, rows)
         _adam_rows(p_r, grad, m_r, v_r, lr, beta1, beta2, eps, bias1, bias2_sqrt)
         p.index_copy_(0, rows, p_r)
         m.index_copy_(0, rows, m_r)
         v.index_copy_(0, rows, v_r)
-        return before, p_r
+        return before, p_r, m_r
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:

@@ -115,7 +115,13 @@ class PhasePlan:
 
     def publish_blocks(self, step: int, owner: int, reader: int) -> List[int]:
         """Blocks of `owner` that `reader` reads at `step` (what the publication of step-1 brings it)."""
-        return [b for b in self.union_reads(step, reader) if self.owner[b] == owner]
+        key = ("by_owner", step, reader)
+        if key not in self._memo:  # one pass over the reads per (step, reader), every owner at once
+            by_owner: Dict[int, List[int]] = {}
+            for b in self.union_reads(step, reader):
+                by_owner.setdefault(self.owner[b], []).append(b)
+            self._memo[key] = by_owner
+        return list(self._memo[key].get(owner, ()))
 
     # ---- publications and the schedule's admission (throughput-first) ----------------------------------
 
@@ -195,7 +201,7 @@ class PhasePlan:
 
     def grad_blocks(self, step: int, reader: int, owner: int) -> Tuple[int, ...]:
         """Blocks of `owner` in `reader`'s gradient message of `step`."""
-        return tuple(sorted({b for _, b in self.grad_entries(step, reader, owner)}))
+        return tuple(self.publish_blocks(step, owner, reader))  # the blocks it reads of that owner
 
     def versions(self) -> List[List[int]]:
         """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""
