@@ -35,7 +35,7 @@ from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.interpreter import Program
 from odin_ns.runtime.lane import Lane
 from odin_ns.runtime.op_count import OpCounter
-from odin_ns.runtime.owner_update import contribution_rows
+from odin_ns.runtime.owner_update import Contribution, contribution_rows
 from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, param_columns, unpack_params
 from odin_ns.runtime.transport import RECORD_ENV
@@ -444,7 +444,7 @@ class OdinEngine(PhaseBoundary):
         record.blocks_read = len({b for ids in view_ids for b in ids})
         return loss, loss_dict, metrics_dict, contributions, view_ids
 
-    def publish(self, step: int, contributions: Sequence[torch.Tensor], view_ids, optimizers) -> None:
+    def publish(self, step: int, contributions: Sequence[Contribution], view_ids, optimizers) -> None:
         """After rendering: the program's actions that follow the renders: gradients to the blocks' owners, the
         owners' update in reference order, the changed rows pushed to the ranks that read them next, the barrier
         (odin-barrier); throughput-first hands the contributions to its lane. Then a phase's end."""

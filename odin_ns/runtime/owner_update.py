@@ -17,12 +17,18 @@ A row no view touched is not read or written, moments included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
 from odin_ns.scene.block_refine import STATE_KEYS
+
+
+MAY_BE_ZERO = ("features_rest",)
+"""The parameters whose gradient and moments are zero by construction for a while (the SH coefficients above the
+active degree, until it rises): the only ones worth a count to leave out of a message; the others are sent whole
+(a superset is always right: the values sent are the values held)."""
 
 
 @dataclass
@@ -61,15 +67,15 @@ class OwnerUpdate:
             pos = self._positions(rows, idx)
             acc.index_add_(0, pos, piece)
             radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
-        live = torch.zeros(len(PARAM_NAMES), dtype=torch.bool, device=self.device)
+        live = torch.full((len(PARAM_NAMES),), T > 0, dtype=torch.bool, device=self.device)
         delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if evidence else None
         for g, (name, (c0, c1)) in enumerate(zip(PARAM_NAMES, self.columns)):
             param = model.gauss_params[name]
             grad = acc[:T, c0:c1].reshape((T,) + tuple(param.shape[1:]))
             before, after, moment = optimizers.optimizers[name].step_rows(rows, grad.contiguous(),
                                                                           keep_before=evidence)
-            if T:
-                live[g] = moment.any()  # no host read: the publication reads it with its row counts
+            if T and name in MAY_BE_ZERO:
+                live[g] = torch.count_nonzero(moment) > 0  # no host read: the publication reads it later
                 if delta_sq is not None:
                     delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
         if track:
@@ -99,23 +105,38 @@ class OwnerUpdate:
         state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
 
 
-def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool) -> torch.Tensor:
-    """[M, D + 3] rows of one view: its gradient of every Gaussian it rendered (packed as the parameters), and
-    gsplat's densification statistics (screen-space gradient norm, visible 0/1, normalized radius), written into one
-    buffer."""
+class Contribution(NamedTuple):
+    """One view's rows for the owners: [M, D + 3] gradients and densification statistics, and [GROUPS] bool: which
+    parameters may have a gradient not zero in the view (what a gradient message must carry; the SH coefficients
+    above the active degree stay zero until they train)."""
+
+    rows: torch.Tensor
+    used: torch.Tensor
+
+
+def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool) -> Contribution:
+    """One view's contribution: its gradient of every Gaussian it rendered (packed as the parameters), and gsplat's
+    densification statistics (screen-space gradient norm, visible 0/1, normalized radius), written into one
+    buffer; whether the SH coefficients' gradient is all zero is counted on it as autograd left it (contiguous:
+    a cheap reduction, where one over the packed buffer's columns is not)."""
     m = leaves["means"].shape[0]
     widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
               for n in PARAM_NAMES]
     width = sum(widths)
     out = torch.empty((m, width + 3), dtype=leaves["means"].dtype, device=leaves["means"].device)
+    nonzero = []
     col = 0
     for n, w in zip(PARAM_NAMES, widths):
         grad = leaves[n].grad
         if grad is None:
             out[:, col:col + w] = 0
+            nonzero.append(torch.zeros((), dtype=torch.int64, device=out.device))
         else:
             out[:, col:col + w] = grad.reshape(m, w)
+            nonzero.append(torch.count_nonzero(grad) if n in MAY_BE_ZERO else torch.ones((), dtype=torch.int64,
+                                                                                          device=out.device))
         col += w
+    nonzero.append(torch.ones((), dtype=torch.int64, device=out.device))  # the statistics travel always
     means2d = info["means2d"]
     g2d = means2d.absgrad if absgrad else means2d.grad
     g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
@@ -126,4 +147,4 @@ def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool
     out[:, width] = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
     out[:, width + 1] = visible.to(out.dtype)
     out[:, width + 2] = (radii / float(max(info["width"], info["height"]))).to(out.dtype)
-    return out
+    return Contribution(out, torch.stack(nonzero) > 0)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.messages import GROUPS, grad_header_size, group_columns, pub_header_size, with_index
-from odin_ns.runtime.owner_update import OwnerUpdate, UpdateResult
+from odin_ns.runtime.owner_update import Contribution, OwnerUpdate, UpdateResult
 from odin_ns.runtime.replicas import Arena, ArenaPlan, expand_ranges
 from odin_ns.runtime.transport import Channels
 from odin_ns.runtime.waits import WaitLog
@@ -456,25 +456,25 @@ class RankRuntime:
                                   order.to(self.device), mine)
         return self._routes[step][1:]
 
-    def send_gradients(self, step: int, contributions: Sequence[torch.Tensor], view_ids: Sequence[List[int]],
+    def send_gradients(self, step: int, contributions: Sequence[Contribution], view_ids: Sequence[List[int]],
                        owners: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Send each owner in `owners` its rows of the step's contributions (one batch); return this rank's own
         contributions (owned row indices, rows) per view, for its update."""
         me, mb = self.env.rank, len(contributions)
         owner, home, view, order, own = self._route(step, view_ids)
-        rows = torch.cat(list(contributions)) if len(contributions) > 1 else contributions[0]
+        rows = torch.cat([c.rows for c in contributions]) if len(contributions) > 1 else contributions[0].rows
         mine = [(index, rows.index_select(0, at)) for at, index in own]
         if not owners:
             return mine
         R, spans = self.plan.num_ranks, self.grad_groups
         # a row travels if its view saw it (the owner's update touches only those; an unseen row's gradient is
-        # zero); a parameter's columns travel if they are not zero in every row of the step (one pass, for all
-        # owners: the SH coefficients above the active degree stay home until they train)
+        # zero); a parameter's columns travel if some view's gradient of it is not all zero (the same for every
+        # owner: the SH coefficients above the active degree stay home until they train)
         keep = (owner != me) & (rows[:, self.width + 1] > 0)
         per_segment = torch.zeros(R * mb, dtype=torch.int64, device=self.device).index_add_(
             0, owner * mb + view, keep.to(torch.int64))
-        nonzero_cols = rows.ne(0).any(dim=0)
-        used = torch.stack([nonzero_cols[c0:c1].any() for c0, c1 in spans]).to(torch.int64)
+        used = (torch.stack([c.used for c in contributions]).any(dim=0) if mb > 1 else contributions[0].used
+                ).to(torch.int64)
         header_values = torch.cat([per_segment.view(R, mb), used.expand(R, -1)], dim=1)  # [R, mb + groups]
         host = header_values.tolist()  # the one host read
         total = sum(sum(h[:mb]) for h in host)
