@@ -438,7 +438,8 @@ class OdinEngine(PhaseBoundary):
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
-            contributions.append(contribution_rows(leaves, model.info, model.strategy.absgrad))
+            contributions.append(contribution_rows(leaves, model.info, model.strategy.absgrad,
+                                                   runtime.contribution_pool))
             model.render_params = None
         record.gaussians_replicated, record.gaussians_window = runtime.resident(step)
         record.blocks_read = len({b for ids in view_ids for b in ids})

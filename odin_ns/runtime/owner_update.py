@@ -16,6 +16,7 @@ A row no view touched is not read or written, moments included.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -49,6 +50,7 @@ class OwnerUpdate:
         self.columns = list(param_columns(num_rest).values())
         self.width = self.columns[-1][1]
         self._mark = torch.zeros(0, dtype=torch.int32, device=device)
+        self._acc = torch.zeros((0, self.width + 4), dtype=torch.float32, device=device)
 
     def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], optimizers, track: bool,
             evidence: bool) -> UpdateResult:
@@ -61,8 +63,10 @@ class OwnerUpdate:
         rows = torch.nonzero(self._mark).flatten()
         self._mark[rows] = 0
         T = rows.shape[0]
-        acc = torch.zeros((T + 1, width + 3), dtype=torch.float32, device=self.device)
-        radii = torch.zeros(T + 1, dtype=torch.float32, device=self.device)
+        if self._acc.shape[0] < T + 1:  # kept between steps: a fresh one costs its page faults on the CPU
+            self._acc = torch.empty((T + 1 + T // 4, width + 4), dtype=torch.float32, device=self.device)
+        acc = self._acc[:T + 1, :width + 3].zero_()
+        radii = self._acc[:T + 1, width + 3].zero_()
         for idx, piece in contributions:
             pos = self._positions(rows, idx)
             acc.index_add_(0, pos, piece)
@@ -72,8 +76,7 @@ class OwnerUpdate:
         for g, (name, (c0, c1)) in enumerate(zip(PARAM_NAMES, self.columns)):
             param = model.gauss_params[name]
             grad = acc[:T, c0:c1].reshape((T,) + tuple(param.shape[1:]))
-            before, after, moment = optimizers.optimizers[name].step_rows(rows, grad.contiguous(),
-                                                                          keep_before=evidence)
+            before, after, moment = optimizers.optimizers[name].step_rows(rows, grad, keep_before=evidence)
             if T and name in MAY_BE_ZERO:
                 live[g] = torch.count_nonzero(moment) > 0  # no host read: the publication reads it later
                 if delta_sq is not None:
@@ -105,6 +108,34 @@ class OwnerUpdate:
         state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
 
 
+class BufferPool:
+    """Buffers for the views' contribution rows, handed back once their gradients are sent (the owner keeps copies
+    of its own rows): written by hand because on the CPU a fresh tensor the size of a view's rows costs its page
+    faults at every step, about as much as filling it (CUDA's caching allocator does this by itself). The render
+    takes, the thread that sends gradients gives back (deque operations are atomic)."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: collections.deque = collections.deque()
+
+    def take(self, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for _ in range(len(self._free)):
+            try:
+                buf = self._free.popleft()
+            except IndexError:
+                break
+            if buf.shape[0] >= rows and buf.shape[1] == columns and buf.dtype == dtype and buf.device == device:
+                return buf[:rows]
+            self._free.append(buf)
+        return torch.empty((rows + rows // 4, columns), dtype=dtype, device=device)[:rows]
+
+    def give(self, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        if len(self._free) < self.KEEP:
+            self._free.append(base)
+
+
 class Contribution(NamedTuple):
     """One view's rows for the owners: [M, D + 3] gradients and densification statistics, and [GROUPS] bool: which
     parameters may have a gradient not zero in the view (what a gradient message must carry; the SH coefficients
@@ -114,16 +145,19 @@ class Contribution(NamedTuple):
     used: torch.Tensor
 
 
-def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool) -> Contribution:
+def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool,
+                      pool: Optional[BufferPool] = None) -> Contribution:
     """One view's contribution: its gradient of every Gaussian it rendered (packed as the parameters), and gsplat's
     densification statistics (screen-space gradient norm, visible 0/1, normalized radius), written into one
-    buffer; whether the SH coefficients' gradient is all zero is counted on it as autograd left it (contiguous:
+    buffer (from `pool`, if given: handed back there once sent); whether the SH coefficients' gradient is all zero is counted on it as autograd left it (contiguous:
     a cheap reduction, where one over the packed buffer's columns is not)."""
     m = leaves["means"].shape[0]
     widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
               for n in PARAM_NAMES]
     width = sum(widths)
-    out = torch.empty((m, width + 3), dtype=leaves["means"].dtype, device=leaves["means"].device)
+    dtype, device = leaves["means"].dtype, leaves["means"].device
+    out = pool.take(m, width + 3, dtype, device) if pool is not None else torch.empty((m, width + 3), dtype=dtype,
+                                                                                      device=device)
     nonzero = []
     col = 0
     for n, w in zip(PARAM_NAMES, widths):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.messages import GROUPS, grad_header_size, group_columns, pub_header_size, with_index
-from odin_ns.runtime.owner_update import Contribution, OwnerUpdate, UpdateResult
+from odin_ns.runtime.owner_update import BufferPool, Contribution, OwnerUpdate, UpdateResult
 from odin_ns.runtime.replicas import Arena, ArenaPlan, expand_ranges
 from odin_ns.runtime.transport import Channels
 from odin_ns.runtime.waits import WaitLog
@@ -69,6 +69,8 @@ class RankRuntime:
         self.plan_violations = 0
         self._notes = threading.Lock()
         self._step_notes: Dict[int, tuple] = {}
+        self._rows = torch.empty((0, self.width), dtype=torch.float32, device=device)  # view_rows' buffer
+        self.contribution_pool = BufferPool()  # the views' contribution rows (send_gradients hands them back)
 
     # ---- phases ------------------------------------------------------------------------------------------
 
@@ -376,7 +378,8 @@ class RankRuntime:
                   ) -> Tuple[torch.Tensor, List[int]]:
         """[M, D] packed rows of view `slot` of this rank at `step`, in ascending block order, and the block ids
         (the read set plus any block added after a miss). `owned`: packed owned rows to read the rank's own blocks
-        from (a throughput-first version), or None for the parameters themselves."""
+        from (a throughput-first version), or None for the parameters themselves. The rows are valid until the
+        next call (one buffer: the render copies them into its leaves)."""
         ids, counts, total, split = self._view_plan(step, slot)
         extra = list(self.extras_in.get(step, {}).get(slot, []))
         if own_current:
@@ -384,7 +387,9 @@ class RankRuntime:
         if extra:
             return self._view_rows_with_extras(step, ids.tolist() + extra, owned)
         own_pos, own_index, rep_pos, rep_index = split
-        rows = torch.empty((total, self.width), dtype=torch.float32, device=self.device)
+        if self._rows.shape[0] < total:  # kept between views: a fresh one costs its page faults on the CPU
+            self._rows = torch.empty((total + total // 4, self.width), dtype=torch.float32, device=self.device)
+        rows = self._rows[:total]
         if own_pos.numel():
             source = [self.model.gauss_params[n].detach().flatten(1) for n in _NAMES] if owned is None else [owned]
             rows.index_copy_(0, own_pos, torch.cat([t.index_select(0, own_index) for t in source], dim=1)
@@ -465,6 +470,7 @@ class RankRuntime:
         rows = torch.cat([c.rows for c in contributions]) if len(contributions) > 1 else contributions[0].rows
         mine = [(index, rows.index_select(0, at)) for at, index in own]
         if not owners:
+            self._give_back(contributions)
             return mine
         R, spans = self.plan.num_ranks, self.grad_groups
         # a row travels if its view saw it (the owner's update touches only those; an unseen row's gradient is
@@ -490,7 +496,13 @@ class RankRuntime:
             sends += [(o, header_values[o].contiguous()), (o, with_index(home[these], rows[these][:, cols]))]
             self.channels.note("G", step, o, "send")
         self.channels.batch(sends, [], "transfer")
+        self._give_back(contributions)
         return mine
+
+    def _give_back(self, contributions: Sequence[Contribution]) -> None:
+        """The contributions' buffers are free again: what leaves or stays was copied out of them."""
+        for c in contributions:
+            self.contribution_pool.give(c.rows)
 
     def receive_gradients(self, step: int, readers: Sequence[int]) -> Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]]:
         """Every reader's gradients of `step` on this rank's blocks: per reader, per view (owned rows, rows)."""

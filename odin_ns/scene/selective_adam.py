@@ -82,6 +82,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         self.require_visibility = require_visibility
         self._counts: dict = {}  # id(step tensor) -> (the tensor, its value): see _advance
         self.visibility: Optional[Tensor] = None
+        self._work: Optional[Tensor] = None  # step_rows' buffers, kept between steps: see _buffers
 
     @torch.no_grad()
     def step(self, visibility: Optional[Tensor] = None, closure: Optional[Callable[[], float]] = None):
@@ -169,7 +170,11 @@ class SelectiveAdam(torch.optim.Optimizer):
         step = self._advance(state)
         self.visibility = None
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        p_r, m_r = p.index_select(0, rows), m.index_select(0, rows)
+        p_r, m_r, v_r, denom, g_r = self._buffers(p, rows.shape[0])
+        if not grad.is_contiguous():
+            grad = g_r.copy_(grad)
+        torch.index_select(p, 0, rows, out=p_r)
+        torch.index_select(m, 0, rows, out=m_r)
         before = p_r.clone() if keep_before else None
         if rows.numel() == 0:
             return before, p_r, m_r
@@ -178,18 +183,35 @@ class SelectiveAdam(torch.optim.Optimizer):
             bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
         else:
             bias1, bias2_sqrt = 1.0, 1.0
-        v_r = v.index_select(0, rows)
-        _adam_rows(p_r, grad, m_r, v_r, lr, beta1, beta2, eps, bias1, bias2_sqrt)
+        torch.index_select(v, 0, rows, out=v_r)
+        _adam_rows(p_r, grad, m_r, v_r, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom)
         p.index_copy_(0, rows, p_r)
         m.index_copy_(0, rows, m_r)
         v.index_copy_(0, rows, v_r)
         return before, p_r, m_r
 
+    def _buffers(self, p: Tensor, n: int) -> Tuple[Tensor, ...]:
+        """Five contiguous [n, ...] buffers shaped like `p`'s rows (its rows, moments, Adam's denominator and the
+        gradient when it comes strided),
+        kept between steps and grown by a quarter when too small: written by hand because on the CPU a fresh
+        tensor the size of the rows costs its page faults at every step (as much as Adam's arithmetic); CUDA's
+        caching allocator would hide it, this costs it nothing either."""
+        work = self._work
+        if (work is None or work.shape[1] < n or work.shape[2:] != p.shape[1:] or work.dtype != p.dtype
+                or work.device != p.device):
+            work = self._work = torch.empty((5, n + n // 4 + 1) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+        return tuple(work[i, :n] for i in range(5))
 
-def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt) -> None:
+
+def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Optional[Tensor] = None) -> None:
     """In place, every element: torch.optim.Adam's single-tensor update, op for op (torch/optim/adam.py).
-    Without bias correction bias1 = bias2_sqrt = 1.0, and dividing by 1.0 is exact: gsplat's formula."""
+    Without bias correction bias1 = bias2_sqrt = 1.0, and dividing by 1.0 is exact: gsplat's formula. `denom`: a
+    buffer like `v` for the denominator (the same operations, written in place)."""
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (v.sqrt() / bias2_sqrt).add_(eps)
+    if denom is None:
+        denom = v.sqrt()
+    else:
+        torch.sqrt(v, out=denom)
+    denom.div_(bias2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-(lr / bias1))
