@@ -79,8 +79,8 @@ class OwnerUpdate:
             before, after, moment = optimizers.optimizers[name].step_rows(rows, grad, keep_before=evidence)
             if T and name in MAY_BE_ZERO:
                 live[g] = torch.count_nonzero(moment) > 0  # no host read: the publication reads it later
-                if delta_sq is not None:
-                    delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
+            if T and delta_sq is not None:
+                delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
         if track:
             self._add_statistics(rows, acc[:T], radii[:T], n_owned)
         return UpdateResult(rows, live, delta_sq)
