@@ -16,12 +16,12 @@ A row no view touched is not read or written, moments included.
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from odin_ns.buffers import BufferPool, kept_rows
 from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
 from odin_ns.scene.block_refine import STATE_KEYS
 
@@ -50,7 +50,7 @@ class OwnerUpdate:
         self.columns = list(param_columns(num_rest).values())
         self.width = self.columns[-1][1]
         self._mark = torch.zeros(0, dtype=torch.int32, device=device)
-        self._acc = torch.zeros((0, self.width + 4), dtype=torch.float32, device=device)
+        self._acc: Optional[torch.Tensor] = None  # the sum's buffer (odin_ns.buffers)
 
     def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], optimizers, track: bool,
             evidence: bool) -> UpdateResult:
@@ -63,8 +63,7 @@ class OwnerUpdate:
         rows = torch.nonzero(self._mark).flatten()
         self._mark[rows] = 0
         T = rows.shape[0]
-        if self._acc.shape[0] < T + 1:  # kept between steps: a fresh one costs its page faults on the CPU
-            self._acc = torch.empty((T + 1 + T // 4, width + 4), dtype=torch.float32, device=self.device)
+        self._acc = kept_rows(self._acc, T + 1, (width + 4,), torch.float32, self.device)  # sum, largest radius
         acc = self._acc[:T + 1, :width + 3].zero_()
         radii = self._acc[:T + 1, width + 3].zero_()
         for idx, piece in contributions:
@@ -108,34 +107,6 @@ class OwnerUpdate:
         state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
 
 
-class BufferPool:
-    """Buffers for the views' contribution rows, handed back once their gradients are sent (the owner keeps copies
-    of its own rows): written by hand because on the CPU a fresh tensor the size of a view's rows costs its page
-    faults at every step, about as much as filling it (CUDA's caching allocator does this by itself). The render
-    takes, the thread that sends gradients gives back (deque operations are atomic)."""
-
-    KEEP = 4
-
-    def __init__(self) -> None:
-        self._free: collections.deque = collections.deque()
-
-    def take(self, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        for _ in range(len(self._free)):
-            try:
-                buf = self._free.popleft()
-            except IndexError:
-                break
-            if buf.shape[0] >= rows and buf.shape[1] == columns and buf.dtype == dtype and buf.device == device:
-                return buf[:rows]
-            self._free.append(buf)
-        return torch.empty((rows + rows // 4, columns), dtype=dtype, device=device)[:rows]
-
-    def give(self, t: torch.Tensor) -> None:
-        base = t._base if t._base is not None else t
-        if len(self._free) < self.KEEP:
-            self._free.append(base)
-
-
 class Contribution(NamedTuple):
     """One view's rows for the owners: [M, D + 3] gradients and densification statistics, and [GROUPS] bool: which
     parameters may have a gradient not zero in the view (what a gradient message must carry; the SH coefficients
@@ -149,8 +120,9 @@ def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool
                       pool: Optional[BufferPool] = None) -> Contribution:
     """One view's contribution: its gradient of every Gaussian it rendered (packed as the parameters), and gsplat's
     densification statistics (screen-space gradient norm, visible 0/1, normalized radius), written into one
-    buffer (from `pool`, if given: handed back there once sent); whether the SH coefficients' gradient is all zero is counted on it as autograd left it (contiguous:
-    a cheap reduction, where one over the packed buffer's columns is not)."""
+    buffer (from `pool`, if given: handed back there once sent). Whether the SH coefficients' gradient is all zero
+    is counted on it as autograd left it (contiguous: a cheap reduction, where one over the packed buffer's
+    columns is not)."""
     m = leaves["means"].shape[0]
     widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
               for n in PARAM_NAMES]
@@ -158,19 +130,18 @@ def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool
     dtype, device = leaves["means"].dtype, leaves["means"].device
     out = pool.take(m, width + 3, dtype, device) if pool is not None else torch.empty((m, width + 3), dtype=dtype,
                                                                                       device=device)
-    nonzero = []
+    used = torch.ones(len(PARAM_NAMES) + 1, dtype=torch.bool, device=device)  # the statistics travel always
     col = 0
-    for n, w in zip(PARAM_NAMES, widths):
+    for g, (n, w) in enumerate(zip(PARAM_NAMES, widths)):
         grad = leaves[n].grad
         if grad is None:
             out[:, col:col + w] = 0
-            nonzero.append(torch.zeros((), dtype=torch.int64, device=out.device))
+            used[g] = False
         else:
             out[:, col:col + w] = grad.reshape(m, w)
-            nonzero.append(torch.count_nonzero(grad) if n in MAY_BE_ZERO else torch.ones((), dtype=torch.int64,
-                                                                                          device=out.device))
+            if n in MAY_BE_ZERO:
+                used[g] = torch.count_nonzero(grad) > 0
         col += w
-    nonzero.append(torch.ones((), dtype=torch.int64, device=out.device))  # the statistics travel always
     means2d = info["means2d"]
     g2d = means2d.absgrad if absgrad else means2d.grad
     g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
@@ -181,4 +152,4 @@ def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool
     out[:, width] = torch.where(visible, g2d[0].norm(dim=-1), torch.zeros(m, device=g2d.device))
     out[:, width + 1] = visible.to(out.dtype)
     out[:, width + 2] = (radii / float(max(info["width"], info["height"]))).to(out.dtype)
-    return Contribution(out, torch.stack(nonzero) > 0)
+    return Contribution(out, used)

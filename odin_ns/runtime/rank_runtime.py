@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.messages import GROUPS, grad_header_size, group_columns, pub_header_size, with_index
-from odin_ns.runtime.owner_update import BufferPool, Contribution, OwnerUpdate, UpdateResult
+from odin_ns.buffers import BufferPool, kept_rows
+from odin_ns.runtime.owner_update import Contribution, OwnerUpdate, UpdateResult
 from odin_ns.runtime.replicas import Arena, ArenaPlan, expand_ranges
 from odin_ns.runtime.transport import Channels
 from odin_ns.runtime.waits import WaitLog
@@ -69,7 +70,7 @@ class RankRuntime:
         self.plan_violations = 0
         self._notes = threading.Lock()
         self._step_notes: Dict[int, tuple] = {}
-        self._rows = torch.empty((0, self.width), dtype=torch.float32, device=device)  # view_rows' buffer
+        self._rows: Optional[torch.Tensor] = None  # view_rows' buffer (odin_ns.buffers)
         self.contribution_pool = BufferPool()  # the views' contribution rows (send_gradients hands them back)
 
     # ---- phases ------------------------------------------------------------------------------------------
@@ -387,8 +388,7 @@ class RankRuntime:
         if extra:
             return self._view_rows_with_extras(step, ids.tolist() + extra, owned)
         own_pos, own_index, rep_pos, rep_index = split
-        if self._rows.shape[0] < total:  # kept between views: a fresh one costs its page faults on the CPU
-            self._rows = torch.empty((total + total // 4, self.width), dtype=torch.float32, device=self.device)
+        self._rows = kept_rows(self._rows, total, (self.width,), torch.float32, self.device)
         rows = self._rows[:total]
         if own_pos.numel():
             source = [self.model.gauss_params[n].detach().flatten(1) for n in _NAMES] if owned is None else [owned]
@@ -641,8 +641,8 @@ class RankRuntime:
 
     def publish(self, update: int, readers: Sequence[int]) -> None:
         """Push update `update` (start-1: the phase-start state, whole) to `readers`: for each, the rows of its
-        blocks that begin a stay, and the rows this update touched of the others, with the parameters it may have changed.
-        One host read for every reader's row count."""
+        blocks that begin a stay, and the rows this update touched of the others, with the parameters it may have
+        changed. One host read for every reader's row count."""
         if self.channels is None or not readers:
             return
         evidence = bool(self.plan.staleness)

@@ -46,10 +46,12 @@ Not supported: amsgrad, weight decay, maximize, sparse or complex gradients.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from odin_ns.buffers import kept_rows
 
 
 class SelectiveAdam(torch.optim.Optimizer):
@@ -82,7 +84,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         self.require_visibility = require_visibility
         self._counts: dict = {}  # id(step tensor) -> (the tensor, its value): see _advance
         self.visibility: Optional[Tensor] = None
-        self._work: Optional[Tensor] = None  # step_rows' buffers, kept between steps: see _buffers
+        self._work: Optional[List[Tensor]] = None  # step_rows' buffers, kept between steps: see _buffers
 
     @torch.no_grad()
     def step(self, visibility: Optional[Tensor] = None, closure: Optional[Callable[[], float]] = None):
@@ -192,15 +194,9 @@ class SelectiveAdam(torch.optim.Optimizer):
 
     def _buffers(self, p: Tensor, n: int) -> Tuple[Tensor, ...]:
         """Five contiguous [n, ...] buffers shaped like `p`'s rows (its rows, moments, Adam's denominator and the
-        gradient when it comes strided),
-        kept between steps and grown by a quarter when too small: written by hand because on the CPU a fresh
-        tensor the size of the rows costs its page faults at every step (as much as Adam's arithmetic); CUDA's
-        caching allocator would hide it, this costs it nothing either."""
-        work = self._work
-        if (work is None or work.shape[1] < n or work.shape[2:] != p.shape[1:] or work.dtype != p.dtype
-                or work.device != p.device):
-            work = self._work = torch.empty((5, n + n // 4 + 1) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-        return tuple(work[i, :n] for i in range(5))
+        gradient when it comes strided), kept between steps (`odin_ns.buffers`)."""
+        self._work = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device) for buf in self._work or [None] * 5]
+        return tuple(buf[:n] for buf in self._work)
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Optional[Tensor] = None) -> None:
