@@ -69,3 +69,29 @@ def test_ranks_that_lost_their_peers_elsewhere_are_summed_up_by_the_launcher():
     quiet.peers_lost = True
     quiet.finish()
     assert "ChildFailedError" not in out.getvalue() and "Traceback" not in out.getvalue()
+
+
+KILLED_RANK_1 = """odin: rank 0: stopped by the launcher (another rank failed or the job was interrupted); see the launcher's message
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 143 (pid: 10606)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 10607)  (SIGKILL)
+"""
+
+
+def test_the_launcher_names_the_killed_rank_not_the_one_torchrun_stopped_after_it():
+    """Rank 1 killed: torchrun stops rank 0, which says so, and may list it first among the failures (a loaded
+    machine's order, seen in a full run); the launcher names rank 1."""
+    from odin_ns.cli.train import culprit
+
+    f, _ = run(KILLED_RANK_1)
+    assert f.torn_down_ranks == {0}
+    assert culprit(f, KILLED_RANK_1) == "1"

@@ -17,7 +17,8 @@ USER_ERROR = "odin: error:"
 STOPPED = "odin: stopped"
 LOST = re.compile(r"^odin: rank (\d+): lost the connection to the other ranks")
 # torchrun's own log lines (its logger's prefix names the module) and the ranks' notices when it tears them down
-TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ .*torch/distributed/|^odin: rank \d+: stopped by the launcher")
+TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ .*torch/distributed/")
+TORN_DOWN = re.compile(r"^odin: rank (\d+): stopped by the launcher")
 TRACEBACK = "Traceback (most recent call last)"
 TORCHRUN_REPORT = "ChildFailedError"
 
@@ -34,6 +35,7 @@ class StderrFilter:
         self.holding = False  # from the first traceback on, lines wait for the end (they may be torchrun's report)
         self.lost: List[str] = []  # ranks' notices that their peers are gone (summed up by the launcher)
         self.lost_ranks: set = set()
+        self.torn_down_ranks: set = set()  # ranks torchrun stopped because another failed (never the failure)
 
     def feed(self, line: str) -> None:
         if line.startswith(USER_ERROR):
@@ -50,7 +52,10 @@ class StderrFilter:
             self.stopped = True
             self._write(line)
             return
-        if TORCHRUN_LOG.search(line):
+        torn_down = TORN_DOWN.match(line)
+        if torn_down:
+            self.torn_down_ranks.add(int(torn_down.group(1)))
+        if torn_down or TORCHRUN_LOG.search(line):
             self.logs.append(line)
             return
         if line.startswith(TRACEBACK):

@@ -126,6 +126,15 @@ def failed_rank(log_tail: str) -> Optional[str]:
     return match.group(1) if match else None
 
 
+def culprit(output: StderrFilter, log_tail: str) -> Optional[str]:
+    """The rank that failed: one torchrun lists as failed that neither lost its connection to it nor was stopped by
+    torchrun because of it (either may come first in torchrun's list, as the ranks end in a race), else torchrun's
+    root cause."""
+    victims = output.lost_ranks | output.torn_down_ranks
+    culprits = [r for r in failed_ranks(log_tail) if r not in victims]
+    return str(culprits[0]) if culprits else failed_rank(log_tail)
+
+
 def peers_lost(output: StderrFilter, local_ranks: int, log_tail: str) -> bool:
     """Did this node's ranks fail only because their peers elsewhere went away? Every local rank said so, or every
     rank torchrun lists as failed here did (a rank killed here says nothing: it is the failure)."""
@@ -218,9 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "any, is in the run's nerfstudio_models/ folder on the node that holds rank 0.", file=sys.stderr)
         return code
     if code != 0:
-        # the rank that failed, not one that only lost its connection to it
-        culprits = [r for r in failed_ranks("".join(tail)) if r not in output.lost_ranks]
-        rank = str(culprits[0]) if culprits else failed_rank("".join(tail))
+        rank = culprit(output, "".join(tail))
         who = f"rank {rank} failed" if rank is not None else "a rank failed"
         print(f"odin: error: {who} (exit {code}); every rank has been stopped. The last complete "
               "checkpoint, if any, is in the run's nerfstudio_models/ folder.", file=sys.stderr)
