@@ -1,7 +1,8 @@
-"""Forward+backward timing of the CPU rasterizer (a benchmark, not a test).
+"""Forward+backward timing of the renderer (a benchmark, not a test): the CPU rasterizer, or gsplat's kernels.
 
     python -m odin_ns.render.bench                 # the three reference sizes, 2 threads
     python -m odin_ns.render.bench --sizes 50000x256x256 --repeats 5 --profile
+    python -m odin_ns.render.bench --device cuda --sizes 1000000x1297x840   # gsplat (a per-view cost on a GPU)
 
 The scene is meant to look like a training view: one camera, Gaussians spread through the frustum (depth 2-10,
 about 5% outside the image), projected sizes log-uniform so a splat's 3-sigma footprint spans from a few
@@ -20,6 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .api import rasterization
 from .cpu import rasterization_cpu
 
 DEFAULT_SIZES = ("2000x128x128", "10000x256x256", "50000x256x256")
@@ -68,10 +70,17 @@ def _others_share(before, after, wall: float, threads: int) -> Optional[float]:
     return max(0.0, others / hz / (wall * max(1, threads)))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def fwd_bwd(scene, **kw) -> float:
     params = {k: scene[k].clone().requires_grad_() for k in ("means", "quats", "scales", "opacities", "colors")}
+    _sync(params["means"].device)
     t0 = time.perf_counter()
-    rc, ra, meta = rasterization_cpu(
+    render = rasterization if params["means"].is_cuda else rasterization_cpu  # CPU-only options: --subtile, --batch
+    rc, ra, meta = render(
         params["means"], params["quats"], params["scales"], params["opacities"], params["colors"],
         scene["viewmats"], scene["Ks"], scene["width"], scene["height"], sh_degree=scene["sh_degree"],
         packed=False, **kw,
@@ -79,6 +88,7 @@ def fwd_bwd(scene, **kw) -> float:
     meta["means2d"].retain_grad()
     loss = (rc - scene["target"]).abs().mean() + ra.mean()
     loss.backward()
+    _sync(params["means"].device)
     return time.perf_counter() - t0
 
 
@@ -91,7 +101,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     ap.add_argument("--subtile", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per size")
+    ap.add_argument("--device", default="cpu", help="cpu (the CPU rasterizer) or cuda (gsplat's kernels)")
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     kw = {"absgrad": args.absgrad}
     if args.subtile:
@@ -102,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     rows = []
     for size in args.sizes:
         n, w, h = (int(v) for v in size.split("x"))
-        scene = make_scene(n, w, h)
+        scene = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in make_scene(n, w, h).items()}
         fwd_bwd(scene, **kw)  # warm-up
         j0, t0 = _cpu_jiffies(), time.perf_counter()
         times = [fwd_bwd(scene, **kw) for _ in range(args.repeats)]
@@ -121,7 +133,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"odin_ns.render CPU rasterizer, forward+backward, {args.threads} threads")
+        what = (f"gsplat on {torch.cuda.get_device_name(device)}" if device.type == "cuda"
+                else f"CPU rasterizer, {args.threads} threads")
+        table = Table(title=f"odin_ns.render {what}, forward+backward")
         cols = ("Gaussians", "image", "median s", "min s", "max s", "prototype s", "speed-up", "goal s",
                 "others' CPU")
         for col in cols:
