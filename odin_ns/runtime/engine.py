@@ -35,9 +35,11 @@ from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.interpreter import Program
 from odin_ns.runtime.lane import Lane
 from odin_ns.runtime.op_count import OpCounter
+from odin_ns.runtime.owned_versions import OwnedVersions
 from odin_ns.runtime.owner_update import Contribution, contribution_rows
 from odin_ns.runtime.rank_runtime import RankRuntime
-from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, param_columns, unpack_params
+from odin_ns.runtime.sharded import (PARAM_NAMES, ShardedGaussians, pack_params, packed_rows, param_columns,
+                                     unpack_params)
 from odin_ns.runtime.transport import RECORD_ENV
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.scene.block_refine import STATE_KEYS
@@ -78,7 +80,7 @@ class OdinEngine(PhaseBoundary):
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
-        self.snapshots: Dict[int, torch.Tensor] = {}  # throughput-first: owned rows after each recent update
+        self.own_rows: OwnedVersions | None = None  # throughput-first: the own rows' versions the renders read
         self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
         self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
         self.save_every = 0  # the trainer's checkpoint interval: a checkpoint step ends its phase
@@ -340,7 +342,7 @@ class OdinEngine(PhaseBoundary):
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
         self.lane = None
         if self.staleness and self.env.distributed:
-            self.snapshots = {step - 1: self._packed_owned()}
+            self.own_rows = OwnedVersions(self._packed_owned(), step - 1)
             self.own_version = {}
             self.own_pos = step - 1
             self.lane = Lane(self.program, {"W": self._lane_wait, "G": self._lane_gradients, "U": self._lane_update,
@@ -419,9 +421,10 @@ class OdinEngine(PhaseBoundary):
         me, model, runtime = self.env.rank, self.model, self.runtime
         record = self.log.current
         owned, own_current = None, True
-        if self.lane is not None:  # the version of its own blocks this step reads (the lane updates the live rows)
-            version = self.own_version.get(step, max(self.snapshots))
-            owned, own_current = self.snapshots[version], version == step - 1
+        if self.lane is not None:  # the version of its own blocks this step reads (the lane updates the live rows);
+            # a step whose views read none of them reads the version last read
+            version = self.own_version.get(step, self.own_rows.version)
+            owned, own_current = self.own_rows.at(version), version == step - 1
         contributions, view_ids = [], []
         loss = loss_dict = metrics_dict = None
         for j, view in enumerate(views):
@@ -513,9 +516,8 @@ class OdinEngine(PhaseBoundary):
         else:
             mine, self._lane_mine = self._lane_mine, None
         self._apply_update(step, mine, self.optimizers)
-        self.snapshots[step] = self._packed_owned()
-        for v in [v for v in self.snapshots if v < step - 1 - self.staleness]:
-            del self.snapshots[v]
+        rows = self.runtime.changed_rows()
+        self.own_rows.record(step, rows, packed_rows(self.model.gauss_params, rows))
         self.runtime.forget_step(step)
 
     def _lane_publish(self, group) -> None:

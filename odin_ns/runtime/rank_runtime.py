@@ -559,6 +559,11 @@ class RankRuntime:
         self.note_skipped(self.env.rank, step, self.rel_now)
         return result
 
+    def changed_rows(self) -> torch.Tensor:
+        """The owned rows the last update changed, and any moved outside it since (may repeat a row)."""
+        rows = self.last.rows if self.last is not None else torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.cat([rows] + self.moved_rows) if self.moved_rows else rows
+
     def mark_moved(self, row: int) -> None:
         """A row changed outside the optimizer after this step's update (fault injection): publish it, check it."""
         self.moved_rows.append(torch.tensor([row], dtype=torch.int64, device=self.device))

@@ -39,6 +39,11 @@ def pack_params(params: Dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([params[name].detach().flatten(1) for name in PARAM_NAMES], dim=1)
 
 
+def packed_rows(params: Dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """[len(rows), D] packed values of these rows of the six parameters (a copy)."""
+    return torch.cat([params[name].detach().flatten(1).index_select(0, rows) for name in PARAM_NAMES], dim=1)
+
+
 def unpack_params(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
     """Inverse of `pack_params` (views into `rows`)."""
     out, n = {}, rows.shape[0]
