@@ -19,10 +19,10 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import run_dir
+from conftest import TINY_CITY, run_dir
 from odin_ns.runtime.interpreter import ActionError, Program
 from odin_ns.schedule.actions import Action, parse_action
-from test_distributed_equivalence import KEEP, city
+from test_distributed_equivalence import CITY, KEEP, city
 
 
 def recorded(out, ranks=2):
@@ -71,6 +71,26 @@ def test_the_messages_of_a_run_are_its_action_lists(runs, method):
         sent = [(m[0], m[1]) for m in records[a]["messages"] if m[3] == "send" and m[2] == b]
         got = [(m[0], m[1]) for m in records[b]["messages"] if m[3] == "recv" and m[2] == a]
         assert sent == got and sent, f"rank {a} -> rank {b}: sent {sent[:6]}..., received {got[:6]}..."
+
+
+@pytest.mark.parametrize("method", ["odin-barrier", "odin", "odin-throughput"])
+def test_the_prediction_replays_the_lists_the_runtime_ran(runs, method):
+    """`odin-bench predict` and `odin-schedule` replay the plans `schedule.preview` makes without training; their
+    lists (each policy's, from the registry) are the programs the ranks of a real run interpreted, phase for phase
+    until the first densification (whose refined blocks only a run knows)."""
+    from odin_ns.cli.schedule import _method_config
+    from odin_ns.schedule.preview import build_preview
+
+    extra = [] if method == "odin" else KEEP
+    records = recorded(city(runs, 2, method, *extra))
+    ran = [program_actions(r) for r in records]
+    config = _method_config([method] + CITY + extra + TINY_CITY)
+    plans = build_preview(config, 2, config.max_num_iterations).policy_plans()[method]
+    refined = next(i for i, plan in enumerate(plans) if plan.start >= 20)  # refine at step 20 (conftest)
+    assert refined >= 2
+    for i, plan in enumerate(plans[:refined]):
+        for rank in (0, 1):
+            assert [repr(a) for a in plan.actions(rank)] == [repr(a) for a in ran[rank][i]], (method, i, rank)
 
 
 def test_a_failing_handler_names_the_rank_the_phase_and_the_action():

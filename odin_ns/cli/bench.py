@@ -2,6 +2,7 @@
 
     odin-bench render                                        # CPU rasterizer forward+backward
     odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--json FILE]   # the runtime's cost
+    odin-bench predict [--ranks 8,16] [--scenes ...] [--link pcie|nvlink|infiniband|loopback]   # a GPU cluster
     odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--repeat N] [--json FILE] [--out DIR]
                      [--keep-runs]
 
@@ -239,13 +240,17 @@ def train_main(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("render", "train", "scale"):
+    if not argv or argv[0] not in ("render", "train", "scale", "predict"):
         print(__doc__)
         return 2
     if argv[0] == "scale":
         from odin_ns.cli.bench_scale import main as scale_main
 
         return scale_main(argv[1:])
+    if argv[0] == "predict":
+        from odin_ns.cli.bench_predict import main as predict_main
+
+        return predict_main(argv[1:])
     if argv[0] == "render":
         from odin_ns.render.bench import main as render_main
 

@@ -46,7 +46,7 @@ from odin_ns.scene.block_refine import STATE_KEYS
 from odin_ns.scene.blocks import block_bounds, build_layout
 from odin_ns.scene.ownership import assign_contiguous
 from odin_ns.scene.read_sets import blocks_in_view, blocks_in_views, tight_step_bound
-from odin_ns.schedule.odin_order import OdinSchedule
+from odin_ns.schedule.odin_order import OdinSchedule, odin_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
 from odin_ns.schedule.views import ViewSchedule
@@ -124,21 +124,13 @@ class OdinEngine(PhaseBoundary):
     def _odin_schedule(self, micro_batch: int, seed: int) -> OdinSchedule:
         """Odin's order from the initial model: each view's read set (blocks) and cost (Gaussians it reads)."""
         downscale = self.model._get_downscale_factor()
-        table, blocks, costs, affinity = self.table, [], [], []
-        slots = self.env.world_size * micro_batch
-        # the share of each global slot: a contiguous cut per slot, independent of how slots are split into ranks
-        share = torch.as_tensor(assign_contiguous(table.count.numpy().astype(float), slots).owner)
+        table = self.table
+        masks = []
         for v in range(len(self.datamanager.train_dataset)):
             viewmat, K, W, H = self._projection(v, downscale)
-            mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
-                                  max_scale=table.max_scale)[0] & (table.count > 0)
-            blocks.append(frozenset(torch.nonzero(mask).flatten().tolist()))
-            costs.append(float(table.count[mask].sum()))
-            per_slot = torch.zeros(slots).index_add_(0, share[mask], table.count[mask].double().float())
-            affinity.append(per_slot.tolist())
-        return OdinSchedule(num_views=len(blocks), num_ranks=self.env.world_size, micro_batch=micro_batch,
-                            seed=seed, view_blocks=blocks, costs=costs,
-                            view_affinity=affinity if slots > 1 else ())
+            masks.append(blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
+                                        max_scale=table.max_scale)[0])
+        return odin_schedule(torch.stack(masks), table.count, self.env.world_size, micro_batch, seed)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 

@@ -33,6 +33,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
+import torch
+
+from odin_ns.scene.ownership import assign_contiguous
+
 
 @dataclass
 class OdinSchedule:
@@ -156,3 +160,19 @@ class OdinSchedule:
                 for slot, view in enumerate(self.views(step, rank)):
                     rows.append({"step": step, "rank": rank, "slot": slot, "view": view})
         return rows
+
+
+def odin_schedule(masks: torch.Tensor, counts: torch.Tensor, num_ranks: int, micro_batch: int,
+                  seed: int) -> OdinSchedule:
+    """Odin's order for views whose read sets are `masks` (bool [views, blocks]) over blocks of `counts`
+    Gaussians: a view's cost is the Gaussians it reads, its affinity to each global slot how many of them lie in
+    that slot's contiguous share of the blocks (the cut the initial ownership makes per rank)."""
+    masks = masks & (counts > 0)[None, :]
+    slots = num_ranks * micro_batch
+    share = torch.as_tensor(assign_contiguous(counts.numpy().astype(float), slots).owner)
+    weights = masks.to(torch.float64) * counts.to(torch.float64)[None, :]
+    costs = weights.sum(dim=1).tolist()
+    affinity = torch.zeros(masks.shape[0], slots, dtype=torch.float64).index_add_(1, share, weights).float()
+    blocks = [frozenset(torch.nonzero(m).flatten().tolist()) for m in masks]
+    return OdinSchedule(num_views=len(blocks), num_ranks=num_ranks, micro_batch=micro_batch, seed=seed,
+                        view_blocks=blocks, costs=costs, view_affinity=affinity.tolist() if slots > 1 else ())

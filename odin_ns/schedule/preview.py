@@ -66,6 +66,7 @@ def build_preview(config, ranks: int, steps: int, first_step: int = 0) -> Previe
                         block_cut=pipe.block_cut)
     optimizers = Optimizers(config.optimizers.copy(), model.get_param_groups())
     engine.end_step = first_step + steps
+    engine.save_every = config.steps_per_save  # as the trainer sets it: a checkpoint step ends its phase
     plans, start = [], first_step
     while start < first_step + steps:
         plan = engine._plan_phase(start, optimizers, done=start)

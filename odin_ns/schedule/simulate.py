@@ -11,6 +11,7 @@ checks its own action kinds, not these.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -25,13 +26,20 @@ class Deadlock(RuntimeError):
 @dataclass
 class Costs:
     """Seconds: render(view), one owner update per step, one message's latency, one phase boundary, and the
-    per-step work that is neither rendering nor an update (bookkeeping, the training loop)."""
+    per-step work that is neither rendering nor an update (bookkeeping, the training loop). With a link model
+    (`bandwidth` in bytes/s and `message_bytes(action)` for a G or P action), a message also occupies its
+    sender's link for bytes / bandwidth: a rank's messages go out one after the other."""
 
     render: Callable[[int], float]
     update: float = 0.002
     latency: float = 0.0003
     phase: float = 0.005
     overhead: float = 0.0
+    bandwidth: float = math.inf
+    message_bytes: Optional[Callable[[Action], float]] = None
+    # one processor per rank (a GPU): an update on the communication lane takes its time from the renders too
+    # (a stream shares the GPU's cores); without it the lane has a processor of its own
+    shared_compute: bool = False
     # what a run measured at (step, rank): (the views it rendered, their render time, its update, its bookkeeping
     # + loop). Where the replayed rank renders the same views at that step, the replay takes these, and so keeps
     # the run's step-to-step jitter (what ranks wait for); elsewhere the means above
@@ -89,6 +97,16 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             elif a.kind == "W" and a.on_thread:
                 waits_left[(r, a.step)] = waits_left.get((r, a.step), 0) + 1
     barrier_arrivals: Dict[int, Dict[int, float]] = {}
+    link_free = {r: phase_start for r in ranks}  # when each rank's outgoing link is free again
+
+    def send(r: int, a: Action, t: float) -> None:
+        """A message of `a` leaves at `t`, or when the link is free, and is on the wire for bytes / bandwidth."""
+        if costs.message_bytes is None or math.isinf(costs.bandwidth):
+            sent[(a.kind, r, a.peer, a.step)] = t
+            return
+        done = max(t, link_free[r]) + costs.message_bytes(a) / costs.bandwidth
+        link_free[r] = done
+        sent[(a.kind, r, a.peer, a.step)] = done
 
     def grads_ready(r: int, a: Action) -> Optional[float]:
         readers = expected_grads.get((r, a.step), [])
@@ -137,9 +155,9 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     if renders_left.get((r, a.step), 0):
                         break
                     t = clock[r][lane] = max(t, rendered.get((r, a.step), t))
-                sent[("G", r, a.peer, a.step)] = t
+                send(r, a, t)
             elif a.kind == "P":
-                sent[("P", r, a.peer, a.step)] = t
+                send(r, a, t)
             elif a.kind == "U":
                 ready = grads_ready(r, a)
                 if ready is None or (a.on_thread and renders_left.get((r, a.step), 0)):
@@ -147,16 +165,16 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                 _, update, overhead = costs.at(a.step, r, views_at.get((r, a.step), ()))
                 clock[r][lane] = max(t, ready, rendered.get((r, a.step), t)) + update
                 busy[r] += update
+                if lane == 1 and costs.shared_compute:  # the GPU's work is conserved: the renders finish later
+                    clock[r][0] += update
                 updated[(r, a.step)] = clock[r][lane]
                 clock[r][0] += overhead  # the main thread's own bookkeeping of the step
-                if lane == 0:
-                    pass
             elif a.kind == "B":
                 arrivals = barrier_arrivals.setdefault(a.step, {})
                 arrivals.setdefault(r, t)
                 if len(arrivals) < len(ranks):
                     break
-                clock[r][lane] = max(arrivals.values()) + costs.latency
+                clock[r][lane] = max(arrivals.values()) + costs.latency * max(1, math.ceil(math.log2(len(ranks))))
             pos[r][lane] += 1
             moved = True
         return moved

@@ -1,0 +1,178 @@
+"""`odin-bench predict`: the policies at rank counts this machine cannot run, replayed on a clock.
+
+    odin-bench predict [--ranks 8,16] [--scenes city,city-aerial,fox,garden] [--link pcie] [--gpu published]
+                       [--steps 100] [--json FILE] [--out DIR]
+    odin-bench predict --ranks 64 --scenes matrixcity
+
+For each rank count and scene it builds the plan a run would make (the built-in scenes and the fox through the
+same start-up as training, `schedule.preview`; the garden point cloud and the generated city from their geometry,
+`schedule.geometry_plan`), takes every policy's action lists from the registry (the lists the runtime's
+interpreter runs) and replays them (`schedule.simulate`) with a GPU's per-view and per-update costs
+(`schedule.gpu_costs`) and a link's latency and bandwidth (`schedule.links`). Per policy it prints the predicted
+views/s, the speed-up over `odin-barrier`, the ideal (barrier's wall over its busiest rank's render + update) and
+the share of barrier's wait hidden, and draws them (predict.png). A scene's points stand for a scene of
+`--gaussians` (default per scene: what gsplat or Grendel-GS trained on such a scene), its views render at the
+scene's training resolution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from odin_ns.cli.bench import DEFAULT_FOX, SCENES
+from odin_ns.schedule.gpu_costs import GPUS, describe, gpu_costs
+from odin_ns.schedule.links import LINKS, link as link_named
+from odin_ns.schedule.policies import POLICIES
+
+GARDEN = DEFAULT_FOX.parent / "garden_points.npz"
+# Gaussians a scene stands for, and the pixels of a view: gsplat's garden (5.84M at 1297x840), gsplat's mean of
+# Mip-NeRF 360 with its default settings (3.24M) for the built-in cities, its small indoor scenes (1.2M) for the
+# fox, Grendel-GS's MatrixCity model (24M) at 1920x1080
+SCENE_SIZE = {"city": (3.24e6, 1297 * 840), "city-aerial": (3.24e6, 1297 * 840), "fox": (1.2e6, 960 * 540),
+              "garden": (5.84e6, 1297 * 840), "matrixcity": (24e6, 1920 * 1080)}
+BARRIER = next(p.method for p in POLICIES.values() if p.barrier)
+
+
+def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int):
+    """The scene's plans on `ranks` ranks, with blocks small enough for every rank to own several."""
+    if scene in ("garden", "matrixcity"):
+        from odin_ns.schedule import predict_scenes
+        from odin_ns.schedule.geometry_plan import preview_from_geometry
+
+        if scene == "garden":
+            if not GARDEN.exists():
+                raise SystemExit(f"odin: error: the garden point cloud is not at {GARDEN}")
+            geo = predict_scenes.garden(GARDEN)
+        else:
+            geo = predict_scenes.matrix_city()
+        points = geo["means"].shape[0]
+        block_size = max(64, min(4096, points // (ranks * 32)))
+        return preview_from_geometry(geo["means"], geo["scales"], geo["viewmats"], geo["Ks"], geo["width"],
+                                     geo["height"], ranks, steps, block_size, phase_length=phase_length,
+                                     pixels=SCENE_SIZE[scene][1])
+    from odin_ns.cli.schedule import _method_config
+    from odin_ns.schedule.preview import build_preview
+
+    args = list(SCENES[scene])
+    if "--pipeline.block-size" in args:
+        i = args.index("--pipeline.block-size")
+        del args[i:i + 2]
+    if scene == "fox":
+        args = ["--data", str(DEFAULT_FOX)] + args
+    config = _method_config(["odin", "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
+                             str(64 if ranks > 4 else 256)] + args)
+    preview = build_preview(config, ranks, steps)
+    preview.pixels = [SCENE_SIZE[scene][1]] * preview.num_views
+    return preview
+
+
+def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
+                  gaussians: Optional[float] = None) -> Dict:
+    from odin_ns.cli.schedule import predictions
+
+    preview = _scene_preview(scene, ranks, steps, phase_length)
+    target = gaussians or SCENE_SIZE[scene][0]
+    scale = target / max(sum(preview.block_counts), 1)
+    costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
+                      GPUS[gpu], link_named(link))
+    pred = predictions(preview.policy_plans(), costs)
+    views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
+    for p in pred.values():
+        p["views_per_s"] = views / p["wall_s"]
+        p["ideal_speedup"] = pred[BARRIER]["wall_s"] / p["ideal_s"]
+    return {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
+            "views": preview.num_views, "steps": steps, "policies": pred}
+
+
+def print_rows(rows: List[Dict], gpu: str, link: str) -> None:
+    table = Table(title=f"predicted: {gpu} GPUs, {link} link, views/s and against odin-barrier")
+    for col in ("ranks", "scene", "Gaussians", "blocks", "policy", "views/s", "speed-up", "ideal", "wait hidden"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        for name, p in r["policies"].items():
+            table.add_row(str(r["ranks"]), r["scene"], f"{r['gaussians'] / 1e6:.2f}M", str(r["blocks"]), name,
+                          f"{p['views_per_s']:.1f}", f"{p['speedup']:.2f}x", f"{p['ideal_speedup']:.2f}x",
+                          "-" if name == BARRIER else f"{p['wait_hidden']:.0%}")
+    Console(width=160).print(table)
+    for ranks in sorted({r["ranks"] for r in rows}):
+        mine = [r for r in rows if r["ranks"] == ranks]
+        for name in mine[0]["policies"]:
+            if name == BARRIER:
+                continue
+            n = len(mine)
+            speed = sum(r["policies"][name]["speedup"] for r in mine) / n
+            hidden = sum(r["policies"][name]["wait_hidden"] for r in mine) / n
+            ideal = sum(r["policies"][name]["ideal_speedup"] for r in mine) / n
+            print(f"{ranks} ranks, mean over {n} scene(s): {name} {speed:.2f}x barrier (ideal {ideal:.2f}x), "
+                  f"{hidden:.0%} of its wait hidden")
+
+
+def draw(rows: List[Dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['scene']}\n{r['ranks']} ranks" for r in rows]
+    names = list(rows[0]["policies"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs = [i + k * width for i in range(len(rows))]
+        axes[0].bar(xs, [r["policies"][name]["speedup"] for r in rows], width, label=name)
+        if name != BARRIER:
+            axes[1].bar(xs, [100 * r["policies"][name]["wait_hidden"] for r in rows], width, label=name)
+    axes[0].plot([i + 0.4 - width / 2 for i in range(len(rows))], [r["policies"][BARRIER]["ideal_speedup"]
+                                                                 for r in rows], "k_", markersize=20, label="ideal")
+    axes[0].set_ylabel("speed-up over odin-barrier")
+    axes[1].set_ylabel("barrier's wait hidden (%)")
+    for ax in axes:
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="odin-bench predict", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="8,16", help="rank counts, comma list (default 8,16)")
+    ap.add_argument("--scenes", default="city,city-aerial,fox,garden",
+                    help=f"comma list of {', '.join(SCENE_SIZE)} (default: all but matrixcity)")
+    ap.add_argument("--link", default="pcie", choices=sorted(LINKS))
+    ap.add_argument("--gpu", default="published", choices=sorted(GPUS))
+    ap.add_argument("--steps", type=int, default=100, help="steps replayed (default 100)")
+    ap.add_argument("--phase-length", type=int, default=25, help="steps between global synchronizations")
+    ap.add_argument("--gaussians", type=float, default=None, help="Gaussians every scene stands for")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("odin-bench-predict"), help="folder for predict.png")
+    args = ap.parse_args(argv)
+    scenes = args.scenes.split(",")
+    for s in scenes:
+        if s not in SCENE_SIZE:
+            raise SystemExit(f"odin: error: unknown scene {s!r} (choose from {', '.join(SCENE_SIZE)})")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    print(describe(GPUS[args.gpu], link_named(args.link)), flush=True)
+    rows = []
+    for r in ranks:
+        for s in scenes:
+            print(f"odin-bench predict: {s}, {r} ranks, {args.steps} steps", flush=True)
+            rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians))
+    print_rows(rows, args.gpu, args.link)
+    args.out.mkdir(parents=True, exist_ok=True)
+    draw(rows, args.out / "predict.png")
+    print(f"pictures: {args.out / 'predict.png'}")
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": args.gpu, "link": args.link, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

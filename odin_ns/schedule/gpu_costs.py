@@ -1,0 +1,97 @@
+"""Per-view and per-update costs of a GPU, for the prediction at rank counts this machine cannot run.
+
+A view's render (forward, loss, backward) costs  a + b * G + c * P  seconds, G the Gaussians of the blocks it
+reads and P its pixels; an owner's update of a step costs  u0 + u1 * T,  T the rows of its blocks that the step's
+views read (selective Adam on touched rows); every step adds the runtime's own launches (about 190 tensor
+operations and 5 syncs per step, `odin-bench scale`: ~1 ms); a phase boundary ~2 ms (a few small collectives).
+
+Two calibrations:
+- published (default): gsplat's own 30k-step training times on Mip-NeRF 360 (gsplat docs, tests/eval: TITAN
+  RTX, 7 scenes, 1.2-6.3M Gaussians, 1.0-1.6 Mpx): per iteration 42.6 ms + 8.94 ns per Gaussian fits all seven
+  within 16% (bonsai 47.4 ms at 1.25M ... garden 100.4 ms at 5.84M). Of the per-Gaussian part, the update of every
+  row is taken out (3.3 ns a row: Adam's bandwidth on that GPU, 672 GB/s, from the H200's measured 0.47 ns a row
+  at 4.8 TB/s) and charged to the owners instead, and so are the update's launches and the step's own (0.8 + 1
+  ms of the 42.6). The published times do not separate a per-pixel part (the indoor scenes, 1.6 Mpx, train no
+  slower per Gaussian than the outdoor ones at 1.0-1.1 Mpx), so the fixed part stays fixed. One such GPU alone
+  then costs what gsplat published for the same scene.
+- h200: measured on one H200 (README, `python -m odin_ns.render.bench --device cuda`): render 0.5 ms + 1.38 ns a
+  Gaussian + 2.04 ns a pixel; update 0.8 ms (six parameters' launches) + 0.47 ns a row (fused Adam's rate; the
+  project's unfused selective Adam measured 4.1 ns a row there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+from odin_ns.schedule.actions import Action
+from odin_ns.schedule.links import Link
+from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.simulate import Costs
+
+PARAM_BYTES = 4 * 59  # a publication's row: the six parameters at SH degree 3, float32
+GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the densification statistics
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    render_fixed_s: float
+    render_per_gaussian_s: float
+    render_per_pixel_s: float
+    update_fixed_s: float
+    update_per_row_s: float
+    step_overhead_s: float = 1e-3
+    phase_s: float = 2e-3
+    source: str = ""
+
+
+GPUS: Dict[str, GpuModel] = {m.name: m for m in (
+    GpuModel("published", 40.8e-3, 5.64e-9, 0.0, 0.8e-3, 3.3e-9,
+             source="gsplat's 30k-step Mip-NeRF 360 times (TITAN RTX): 42.6 ms + 8.94 ns/Gaussian per iteration"),
+    GpuModel("h200", 0.5e-3, 1.38e-9, 2.04e-9, 0.8e-3, 0.47e-9,
+             source="measured on one H200: gsplat forward+backward and fused Adam"),
+)}
+
+
+def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
+              counts: Sequence[int], scale: float, gpu: GpuModel, link: Link) -> Costs:
+    """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
+    plan's points standing for a scene of that many more Gaussians)."""
+    render = [gpu.render_fixed_s + gpu.render_per_gaussian_s * scale * g + gpu.render_per_pixel_s * p
+              for g, p in zip(gaussians_read, pixels)]
+    per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
+    for plan in plans:
+        owned = [set(plan.owned_blocks(r)) for r in range(plan.num_ranks)]
+        for step in range(plan.start, plan.stop):
+            touched = plan.touched(step)
+            for r in range(plan.num_ranks):
+                views = tuple(plan.rank_views(step, r))
+                rows = scale * sum(counts[b] for b in touched & owned[r])
+                update = gpu.update_fixed_s + gpu.update_per_row_s * rows
+                per_step[(step, r)] = (views, sum(render[v] for v in views), update, gpu.step_overhead_s)
+
+    def message_bytes(a: Action) -> float:
+        rows = scale * sum(counts[b] for b in a.blocks)
+        return rows * (GRAD_BYTES if a.kind == "G" else PARAM_BYTES)
+
+    mean_update = sum(u for _, _, u, _ in per_step.values()) / max(len(per_step), 1)
+    return Costs(render=lambda v: render[v], update=mean_update, latency=link.latency_s, phase=gpu.phase_s,
+                 overhead=gpu.step_overhead_s, bandwidth=link.bandwidth, message_bytes=message_bytes,
+                 shared_compute=True,
+                 measured=lambda step, rank: per_step.get((step, rank)))
+
+
+def single_gpu_iteration_s(gpu: GpuModel, gaussians: float, pixels: float) -> float:
+    """One GPU alone, one view per step, every Gaussian in view and updated: the model's per-iteration time (what
+    the published calibration reproduces)."""
+    return (gpu.render_fixed_s + gpu.render_per_gaussian_s * gaussians + gpu.render_per_pixel_s * pixels
+            + gpu.update_fixed_s + gpu.update_per_row_s * gaussians + gpu.step_overhead_s)
+
+
+def describe(gpu: GpuModel, link: Link, reference: Optional[Tuple[float, float]] = (5.84e6, 1297 * 840)) -> str:
+    line = f"GPU model {gpu.name} ({gpu.source}); link {link.name} ({link.source})"
+    if reference:
+        line += (f"; one GPU alone at {reference[0] / 1e6:.2f}M Gaussians, {reference[1] / 1e6:.2f} Mpx: "
+                 f"{1000 * single_gpu_iteration_s(gpu, *reference):.1f} ms per iteration")
+    return line
