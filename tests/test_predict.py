@@ -21,7 +21,7 @@ def test_a_link_delays_each_message_by_its_bytes_and_a_rank_sends_one_after_anot
     free = simulate([plan], Costs(**base))
     assert free.wall_s == 10.0
     # every step each rank sends its gradients to the other (one G of 2 blocks) and publishes its update (one P)
-    sized = Costs(**base, bandwidth=100.0, message_bytes=lambda a: 10.0 * len(a.blocks))
+    sized = Costs(**base, bandwidth=100.0, message_bytes=lambda sender, a: 10.0 * len(a.blocks))
     slow = simulate([plan], sized)
     # a step: render, then G on the wire 0.2 s; the owner's update waits for it; then P 0.2 s, which the next
     # step's read waits for (the last step's update is read by no step of the phase)
@@ -61,6 +61,27 @@ def test_predict_replays_every_policy_on_the_garden(tmp_path):
     for name, p in policies.items():
         # one GPU per rank does every render and update: no policy beats the busiest rank's work
         assert p["wall_s"] >= p["ideal_s"] * (1 - 1e-9), name
-        assert math.isclose(p["views_per_s"] * p["wall_s"], 4 * 20), name
+        assert math.isclose(p["views_per_s"] * p["wall_s"], 4 * 2 * 20), name  # 2 views per rank and step
     assert policies["odin-throughput"]["wall_s"] <= policies["odin"]["wall_s"]
     assert (tmp_path / "predict.png").stat().st_size > 10_000
+
+
+def test_a_blocks_visible_share_counts_its_points_in_the_image():
+    import torch
+
+    from odin_ns.schedule.geometry_plan import visible_share
+    from odin_ns.schedule.predict_scenes import look_at
+
+    # block 0: 100 points at x in [-1, 1] (all in view of a camera on the -z side looking at the origin);
+    # block 1: 50 points, the half with x > 0 far outside the image; block 2: behind the camera
+    block0 = torch.stack([torch.linspace(-1, 1, 100), torch.zeros(100), torch.zeros(100)], dim=1)
+    block1 = torch.stack([torch.linspace(-1, 1, 50) + 50 * (torch.arange(50) >= 25), torch.zeros(50),
+                          torch.zeros(50)], dim=1)
+    block2 = torch.tensor([[0.0, 0.0, -20.0]]).repeat(10, 1)
+    means = torch.cat([block0, block1, block2])
+    viewmat = look_at(torch.tensor([[0.0, 0.0, -10.0]]), torch.zeros(1, 3), up=(0.0, 1.0, 0.0))
+    K = torch.tensor([[[100.0, 0.0, 50.0], [0.0, 100.0, 50.0], [0.0, 0.0, 1.0]]])
+    share = visible_share(means, torch.tensor([100, 50, 10]), viewmat, K, 100, 100, samples=64)
+    assert share.shape == (1, 3)
+    assert share[0, 0] == 1.0 and share[0, 2] == 0.0
+    assert abs(share[0, 1] - 0.5) < 0.03

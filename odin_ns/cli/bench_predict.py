@@ -1,7 +1,7 @@
 """`odin-bench predict`: the policies at rank counts this machine cannot run, replayed on a clock.
 
     odin-bench predict [--ranks 8,16] [--scenes city,city-aerial,fox,garden] [--link pcie] [--gpu published]
-                       [--steps 100] [--json FILE] [--out DIR]
+                       [--steps 100] [--micro-batch 2] [--json FILE] [--out DIR]
     odin-bench predict --ranks 64 --scenes matrixcity
 
 For each rank count and scene it builds the plan a run would make (the built-in scenes and the fox through the
@@ -40,7 +40,7 @@ SCENE_SIZE = {"city": (3.24e6, 1297 * 840), "city-aerial": (3.24e6, 1297 * 840),
 BARRIER = next(p.method for p in POLICIES.values() if p.barrier)
 
 
-def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int):
+def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_batch: int):
     """The scene's plans on `ranks` ranks, with blocks small enough for every rank to own several."""
     if scene in ("garden", "matrixcity"):
         from odin_ns.schedule import predict_scenes
@@ -55,8 +55,8 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int):
         points = geo["means"].shape[0]
         block_size = max(64, min(4096, points // (ranks * 32)))
         return preview_from_geometry(geo["means"], geo["scales"], geo["viewmats"], geo["Ks"], geo["width"],
-                                     geo["height"], ranks, steps, block_size, phase_length=phase_length,
-                                     pixels=SCENE_SIZE[scene][1])
+                                     geo["height"], ranks, steps, block_size, micro_batch=micro_batch,
+                                     phase_length=phase_length, pixels=SCENE_SIZE[scene][1])
     from odin_ns.cli.schedule import _method_config
     from odin_ns.schedule.preview import build_preview
 
@@ -67,32 +67,34 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int):
     if scene == "fox":
         args = ["--data", str(DEFAULT_FOX)] + args
     config = _method_config(["odin", "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
-                             str(64 if ranks > 4 else 256)] + args)
+                             str(64 if ranks > 4 else 256), "--pipeline.micro-batch", str(micro_batch)] + args)
     preview = build_preview(config, ranks, steps)
     preview.pixels = [SCENE_SIZE[scene][1]] * preview.num_views
     return preview
 
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
-                  gaussians: Optional[float] = None) -> Dict:
+                  gaussians: Optional[float] = None, micro_batch: int = 1) -> Dict:
     from odin_ns.cli.schedule import predictions
 
-    preview = _scene_preview(scene, ranks, steps, phase_length)
+    preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
     target = gaussians or SCENE_SIZE[scene][0]
     scale = target / max(sum(preview.block_counts), 1)
     costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
-                      GPUS[gpu], link_named(link))
+                      GPUS[gpu], link_named(link), preview.visible)
     pred = predictions(preview.policy_plans(), costs)
     views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
         p["ideal_speedup"] = pred[BARRIER]["wall_s"] / p["ideal_s"]
     return {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
-            "views": preview.num_views, "steps": steps, "policies": pred}
+            "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "policies": pred}
 
 
 def print_rows(rows: List[Dict], gpu: str, link: str) -> None:
-    table = Table(title=f"predicted: {gpu} GPUs, {link} link, views/s and against odin-barrier")
+    mb = rows[0]["micro_batch"] if rows else 1
+    table = Table(title=f"predicted: {gpu} GPUs, {link} link, {mb} view(s) per rank per step; views/s and "
+                        "against odin-barrier")
     for col in ("ranks", "scene", "Gaussians", "blocks", "policy", "views/s", "speed-up", "ideal", "wait hidden"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -151,6 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="steps replayed (default 100)")
     ap.add_argument("--phase-length", type=int, default=25, help="steps between global synchronizations")
     ap.add_argument("--gaussians", type=float, default=None, help="Gaussians every scene stands for")
+    ap.add_argument("--micro-batch", type=int, default=2,
+                    help="views per rank per step (default 2, as the paper's test bed)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("odin-bench-predict"), help="folder for predict.png")
     args = ap.parse_args(argv)
@@ -164,7 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in ranks:
         for s in scenes:
             print(f"odin-bench predict: {s}, {r} ranks, {args.steps} steps", flush=True)
-            rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians))
+            rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians,
+                                      args.micro_batch))
     print_rows(rows, args.gpu, args.link)
     args.out.mkdir(parents=True, exist_ok=True)
     draw(rows, args.out / "predict.png")

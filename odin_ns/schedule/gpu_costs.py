@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
+import torch
+
 from odin_ns.schedule.actions import Action
 from odin_ns.schedule.links import Link
 from odin_ns.schedule.plan import PhasePlan
@@ -55,25 +57,45 @@ GPUS: Dict[str, GpuModel] = {m.name: m for m in (
 
 
 def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
-              counts: Sequence[int], scale: float, gpu: GpuModel, link: Link) -> Costs:
+              counts: Sequence[int], scale: float, gpu: GpuModel, link: Link,
+              visible: Optional[torch.Tensor] = None) -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
-    plan's points standing for a scene of that many more Gaussians)."""
+    plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
+    rows of the owner's blocks its views see, a publication the rows of the blocks the update touched (some view
+    of the step sees them), from `visible` (share of a block's rows in a view); without it, whole blocks (a
+    bound). The update's rows are the same touched rows."""
+    count = torch.as_tensor(counts, dtype=torch.float64)
+    share = visible.double() if visible is not None else None
+    touched_rows: Dict[int, torch.Tensor] = {}  # step -> [blocks] rows some view of the step sees
+    seen_rows: Dict[Tuple[int, int], torch.Tensor] = {}  # (step, rank) -> [blocks] rows its views see
     render = [gpu.render_fixed_s + gpu.render_per_gaussian_s * scale * g + gpu.render_per_pixel_s * p
               for g, p in zip(gaussians_read, pixels)]
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
     for plan in plans:
-        owned = [set(plan.owned_blocks(r)) for r in range(plan.num_ranks)]
+        owner = torch.as_tensor(plan.owner)
         for step in range(plan.start, plan.stop):
-            touched = plan.touched(step)
+            mask = torch.zeros(len(counts), dtype=torch.float64)
+            mask[list(plan.touched(step))] = 1.0
+            if share is None:
+                touched_rows[step] = count * mask
+            else:
+                views = [v for r in range(plan.num_ranks) for v in plan.rank_views(step, r)]
+                touched_rows[step] = count * mask * (1 - torch.prod(1 - share[views], dim=0))
+                for r in range(plan.num_ranks):
+                    seen_rows[(step, r)] = count * share[list(plan.rank_views(step, r))].sum(dim=0).clamp_max(1)
             for r in range(plan.num_ranks):
                 views = tuple(plan.rank_views(step, r))
-                rows = scale * sum(counts[b] for b in touched & owned[r])
+                rows = scale * float(touched_rows[step][owner == r].sum())
                 update = gpu.update_fixed_s + gpu.update_per_row_s * rows
                 per_step[(step, r)] = (views, sum(render[v] for v in views), update, gpu.step_overhead_s)
 
-    def message_bytes(a: Action) -> float:
-        rows = scale * sum(counts[b] for b in a.blocks)
-        return rows * (GRAD_BYTES if a.kind == "G" else PARAM_BYTES)
+    def message_bytes(sender: int, a: Action) -> float:
+        blocks = list(a.blocks)
+        if a.kind == "G":
+            rows = seen_rows[(a.step, sender)][blocks] if share is not None else count[blocks]
+            return scale * float(rows.sum()) * GRAD_BYTES
+        rows = touched_rows[a.step][blocks] if a.step in touched_rows else count[blocks]  # phase start: whole
+        return scale * float(rows.sum()) * PARAM_BYTES
 
     mean_update = sum(u for _, _, u, _ in per_step.values()) / max(len(per_step), 1)
     return Costs(render=lambda v: render[v], update=mean_update, latency=link.latency_s, phase=gpu.phase_s,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -38,6 +38,7 @@ class Preview:
 
     staleness: int = 1  # the run's --pipeline.max-staleness and --pipeline.admit-overlap (throughput-first)
     admit_overlap: float = 1.0
+    visible: Optional[torch.Tensor] = None  # [views, blocks]: share of a block's rows in a view (message sizes)
 
     def policy_plans(self) -> Dict[str, List[PhasePlan]]:
         """The same views and read sets under each policy of the registry (throughput-first: reads behind
@@ -61,6 +62,7 @@ def build_preview(config, ranks: int, steps: int, first_step: int = 0) -> Previe
     from odin_ns.pipeline import setup_model  # the pipeline module imports the engine; keep this one light
 
     model = setup_model(pipe, datamanager, "cpu")
+    initial = {n: model.gauss_params[n].detach().clone() for n in ("means", "scales")}  # before it is sharded
     engine = OdinEngine(DistEnv(rank=0, world_size=ranks), model, datamanager, pipe.block_size, pipe.micro_batch,
                         pipe.seed, policy=pipe.policy, phase_length=pipe.phase_length, view_order=pipe.view_order,
                         block_cut=pipe.block_cut)
@@ -86,6 +88,18 @@ def build_preview(config, ranks: int, steps: int, first_step: int = 0) -> Previe
     scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
     extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
               for b in range(len(table.count))]
+    from odin_ns.scene.blocks import build_layout
+    from odin_ns.schedule.geometry_plan import visible_share
+
+    layout = build_layout(initial["means"], torch.exp(initial["scales"]), block_size=pipe.block_size,
+                          cut=pipe.block_cut)  # the engine's cut of the same points
+    projections = [engine._projection(v, downscale) for v in range(len(gaussians))]
+    sizes = {(p[2], p[3]) for p in projections}
+    visible = None
+    if len(sizes) == 1 and torch.equal(layout.counts, table.count):
+        (W, H), = sizes
+        visible = visible_share(initial["means"][layout.order], table.count, torch.cat([p[0] for p in projections]),
+                                torch.cat([p[1] for p in projections]), W, H)
     return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=pixels,
                    block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians),
-                   staleness=pipe.max_staleness, admit_overlap=pipe.admit_overlap)
+                   staleness=pipe.max_staleness, admit_overlap=pipe.admit_overlap, visible=visible)

@@ -27,7 +27,7 @@ class Deadlock(RuntimeError):
 class Costs:
     """Seconds: render(view), one owner update per step, one message's latency, one phase boundary, and the
     per-step work that is neither rendering nor an update (bookkeeping, the training loop). With a link model
-    (`bandwidth` in bytes/s and `message_bytes(action)` for a G or P action), a message also occupies its
+    (`bandwidth` in bytes/s and `message_bytes(sender, action)` for a G or P action), a message also occupies its
     sender's link for bytes / bandwidth: a rank's messages go out one after the other."""
 
     render: Callable[[int], float]
@@ -36,7 +36,7 @@ class Costs:
     phase: float = 0.005
     overhead: float = 0.0
     bandwidth: float = math.inf
-    message_bytes: Optional[Callable[[Action], float]] = None
+    message_bytes: Optional[Callable[[int, Action], float]] = None
     # one processor per rank (a GPU): an update on the communication lane takes its time from the renders too
     # (a stream shares the GPU's cores); without it the lane has a processor of its own
     shared_compute: bool = False
@@ -104,7 +104,7 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
         if costs.message_bytes is None or math.isinf(costs.bandwidth):
             sent[(a.kind, r, a.peer, a.step)] = t
             return
-        done = max(t, link_free[r]) + costs.message_bytes(a) / costs.bandwidth
+        done = max(t, link_free[r]) + costs.message_bytes(r, a) / costs.bandwidth
         link_free[r] = done
         sent[(a.kind, r, a.peer, a.step)] = done
 
