@@ -150,15 +150,32 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "replicas_over_window": s.get("replicas_over_window", []),
             "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
             "max_staleness_seen": s.get("max_staleness_seen", 0),
+            "replayed_wall_s": r.get("replayed_wall_s"),
         })
     return rows
+
+
+def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
+    """The run's wall as the replay predicts it: its own plan (made again from the same flags, without training)
+    and its own lists, with the costs it measured (`odin-schedule --costs`: per step where the views match, and
+    this machine's loopback latency per message). What `odin-bench predict` does with a GPU's costs."""
+    from odin_ns.cli.schedule import _method_config
+    from odin_ns.schedule.costs import costs_from_stats
+    from odin_ns.schedule.preview import build_preview
+    from odin_ns.schedule.simulate import simulate
+
+    config = _method_config([run["method"], *QUIET_RUN, *flags])
+    preview = build_preview(config, run["ranks"], config.max_num_iterations)
+    costs = costs_from_stats(run["config"].parent / "odin_stats.json", preview.num_views)
+    return simulate(preview.policy_plans()[run["method"]], costs).wall_s
 
 
 def print_table(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
     cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "render", "update",
             "bookkeeping", "loop",
-            "validate", "transfer", "barrier", "phase", "MB/step", "resident", "stale/refused", "PSNR")
+            "validate", "transfer", "barrier", "phase", "MB/step", "resident", "stale/refused", "replayed wall",
+            "PSNR")
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -172,6 +189,8 @@ def print_table(rows: List[Dict], title: str) -> None:
                       "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " (" +
                       "/".join(f"{x:.2f}" for x in r["replicas_over_window"]) + "x)",
                       f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
+                      "-" if not r.get("replayed_wall_s") else
+                      f"{r['replayed_wall_s']:.1f} ({r['replayed_wall_s'] / r['wall_s'] - 1:+.0%})",
                       "-" if r["psnr"] is None else f"{r['psnr']:.2f}")
     Console(width=200).print(table)
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
@@ -180,7 +199,8 @@ def print_table(rows: List[Dict], title: str) -> None:
           "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs). 'resident': per rank, the "
           "largest share of the model it held at a step (owned + replicas), and in brackets the replicas it held in a phase "
           "over the most remote rows its views read in one window of the phase. 'stale/refused': block reads "
-          "admitted behind the newest version, and refused (waited for).")
+          "admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
+          "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 
 
 def train_main(argv: List[str]) -> int:
@@ -221,6 +241,7 @@ def train_main(argv: List[str]) -> int:
                 run_dir = Path(tmp) / f"{label.replace(' ', '_').replace(',', '')}{f'_{rep}' if rep else ''}"
                 shutil.rmtree(run_dir, ignore_errors=True)  # a kept run of an earlier invocation
                 run = run_training(args.ranks, method, flags, run_dir, label, order)
+                run["replayed_wall_s"] = replayed_wall(run, flags)
                 # the trained model is the same in every round (same seeds and steps): evaluate it once
                 run["psnr"] = None if args.no_psnr or rep else held_out_psnr(run["config"])
                 tries[label].append(run)

@@ -50,16 +50,18 @@ def costs_from_stats(path: Path, num_views: int) -> Costs:
     update, overhead = [], []
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
     for rec in steps:
+        # throughput-first's owners update on the communication lane: that time is the step's update too
+        rec_update = rec["update_s"] + (rec.get("background_s") or {}).get("update", 0.0)
         if "step" in rec and "rank" in rec:
             per_step[(int(rec["step"]), int(rec["rank"]))] = (
-                tuple(int(v) for v in rec.get("views") or ()), rec["compute_s"], rec["update_s"],
+                tuple(int(v) for v in rec.get("views") or ()), rec["compute_s"], rec_update,
                 rec.get("bookkeeping_s", 0.0) + rec.get("loop_s", 0.0))
         views = rec.get("views") or []
         for v in views:
             t = totals.setdefault(int(v), [0.0, 0])
             t[0] += rec["compute_s"] / len(views)
             t[1] += 1
-        update.append(rec["update_s"])
+        update.append(rec_update)
         overhead.append(rec.get("bookkeeping_s", 0.0) + rec.get("loop_s", 0.0))
     if max(totals, default=-1) >= num_views:
         raise OdinInputError(f"--costs {path}: the run it measured rendered view {max(totals)}, this data has "
