@@ -85,3 +85,14 @@ def test_a_blocks_visible_share_counts_its_points_in_the_image():
     assert share.shape == (1, 3)
     assert share[0, 0] == 1.0 and share[0, 2] == 0.0
     assert abs(share[0, 1] - 0.5) < 0.03
+
+
+def test_an_unknown_scene_or_link_is_one_line():
+    import subprocess
+    import sys
+
+    for args, words in ((["--scenes", "moon"], "unknown scene 'moon'"), (["--link", "carrier-pigeon"], "--link")):
+        proc = subprocess.run([sys.executable, "-m", "odin_ns.cli.bench", "predict", *args], capture_output=True,
+                              text=True)
+        assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

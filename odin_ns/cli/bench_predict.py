@@ -65,6 +65,8 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
         i = args.index("--pipeline.block-size")
         del args[i:i + 2]
     if scene == "fox":
+        if not (DEFAULT_FOX / "transforms.json").exists():
+            raise SystemExit(f"odin: error: the fox photos are not at {DEFAULT_FOX} (leave fox out of --scenes)")
         args = ["--data", str(DEFAULT_FOX)] + args
     config = _method_config(["odin", "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
                              str(64 if ranks > 4 else 256), "--pipeline.micro-batch", str(micro_batch)] + args)
