@@ -63,6 +63,12 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Throughput-first, the runtime's evidence: a read k versions behind is admitted only if k times the relative
     size ||delta|| / ||params|| of the last update of each block it reads is at most this. Smaller refuses more
     reads (waits more, closer to odin); larger admits reads behind larger updates (hides more, drifts more)."""
+    lane: Literal["thread", "inline"] = "thread"
+    """Throughput-first: where the communication lane (gradients out, publications in, the owner's update and its
+    publications) runs: on a thread beside the renders (a stream's place on a GPU), or inline, on the rank's own
+    thread when it would otherwise wait (it renders its next step while a peer's gradients are late, and updates
+    after that render; nothing competes with the renders for the processor). Both give the same model bit for
+    bit."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
@@ -149,7 +155,8 @@ class OdinPipeline(VanillaPipeline):
                                      config.seed, config.check_read_sets, policy=config.policy,
                                      phase_length=config.phase_length, view_order=config.view_order,
                                      block_cut=config.block_cut, max_staleness=config.max_staleness,
-                                     admit_overlap=config.admit_overlap, admit_update=config.admit_update)
+                                     admit_overlap=config.admit_overlap, admit_update=config.admit_update,
+                                     lane=config.lane)
             if env.distributed and env.rank == 0:  # the viewer's Odin panel (rank 0 serves the viewer)
                 attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
         self.viewer_model = None  # rank 0 of several: the viewer's copy of the model (see OdinModel.show_snapshot)

@@ -1,5 +1,6 @@
 """`make demo`'s steps at a small size (the same code path: 2 real ranks of `odin`, nerfstudio's evaluation, the
-three policies side by side): the pictures exist, the table has the three policies, the commands are printed."""
+three policies side by side in two rounds): the pictures exist, the table has the three policies, the commands are
+printed."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import TINY_CITY, script
 
 def test_demo_trains_two_ranks_and_shows_the_result(tmp_path):
     out = tmp_path / "outputs"
-    proc = subprocess.run([script("odin-demo"), "--max-num-iterations", "30", "--compare-steps", "12",
+    proc = subprocess.run([script("odin-demo"), "--max-num-iterations", "30", "--compare-steps", "8",
                            "--output-dir", str(out), *TINY_CITY], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (metrics_file,) = out.glob("odin-demo/odin/*/demo_metrics.json")
@@ -22,6 +23,9 @@ def test_demo_trains_two_ranks_and_shows_the_result(tmp_path):
     summary = json.loads(metrics_file.read_text())
     assert summary["ranks"] == 2 and summary["metrics"]["step"] == 29 and summary["metrics"]["psnr"] > 5
     assert [r["label"] for r in summary["comparison"]["runs"]] == ["barrier", "odin", "odin-throughput"]
+    # two rounds in alternating order, each policy's taken together: its wall is the rounds' walls summed
+    for r in summary["comparison"]["runs"]:
+        assert len(r["round_walls_s"]) == 2 and r["wall_s"] == sum(r["round_walls_s"]) > 0, r
     table = proc.stdout[proc.stdout.index("the policies side by side"):]
     for policy in ("barrier", "odin", "odin-throughput"):
         assert f" {policy} " in table

@@ -242,3 +242,21 @@ def test_reads_one_version_behind_hide_alternating_imbalance():
     for a in _jitter_plan(staleness=1).actions(0):
         assert parse_action(repr(a), a.step) == a
     assert "~1" in _jitter_plan(staleness=1).actions_text() and "U~ b0,b1" in _jitter_plan(staleness=1).actions_text()
+
+
+def test_an_inline_lane_hides_the_same_imbalance_on_one_processor():
+    """`--pipeline.lane inline`: the rank's own thread runs the lane; an earlier step's update goes before the next
+    render when every reader's gradients are in, after it when one is late. Alternating imbalance is hidden as
+    with a lane of its own (the test above)."""
+    from odin_ns.schedule.simulate import Costs, simulate
+
+    plan = _jitter_plan(staleness=1)
+    slow = lambda v: 1.0 if (v // 2) % 2 == v % 2 else 0.5  # noqa: E731
+    inline = simulate([plan], Costs(render=slow, update=0.0, latency=0.0, phase=0.0, inline_lane=True))
+    assert inline.busy_s == [7.5, 7.5]
+    assert inline.wall_s == inline.ideal_s == 7.5
+    # an update's cost is the rank's own: the same processor does it before or after the next render
+    inline = simulate([plan], Costs(render=slow, update=0.1, latency=0.0, phase=0.0, inline_lane=True))
+    assert inline.busy_s == pytest.approx([8.5, 8.5]) and inline.wall_s == pytest.approx(8.5)
+    exact = simulate([_jitter_plan()], Costs(render=slow, update=0.1, latency=0.0, phase=0.0, inline_lane=True))
+    assert exact.wall_s == pytest.approx(11.0)  # every step waits for the slow view: inline changes nothing there

@@ -4,7 +4,7 @@
     odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--json FILE]   # the runtime's cost
     odin-bench predict [--ranks 8,16] [--scenes ...] [--link pcie|nvlink|infiniband|loopback]   # a GPU cluster
     odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--repeat N] [--json FILE] [--out DIR]
-                     [--keep-runs]
+                     [--keep-runs] [--thread-lane]
 
 `train` runs, one after the other in one invocation, on the same data, seeds and steps: `odin-barrier` on
 nerfstudio's random order, then `odin-barrier`, `odin` and `odin-throughput` on Odin's schedule. It prints one
@@ -103,10 +103,39 @@ def median_run(tries: List[Dict]) -> Dict:
     return run
 
 
+def pooled_run(tries: List[Dict]) -> Dict:
+    """Rounds of one run taken together, as one longer run: walls, times and views summed over the rounds (so
+    rounds run in alternating order cancel a machine that speeds up or slows down over the invocation)."""
+    run = dict(tries[0])
+    summary = dict(run["summary"])
+    for key in ("train_wall_s", "no_wait_bound_s", "views"):
+        summary[key] = sum(t["summary"][key] for t in tries)
+    summary["views_per_s"] = summary["views"] / summary["train_wall_s"] if summary["train_wall_s"] else None
+    per_rank = []
+    for q, first in enumerate(summary["per_rank"]):
+        ranks = [t["summary"]["per_rank"][q] for t in tries]
+        per_rank.append({k: ({c: sum(p[k][c] for p in ranks) for c in v} if isinstance(v, dict) else
+                             sum(p.get(k, 0.0) for p in ranks)) for k, v in first.items()})
+    summary["per_rank"] = per_rank
+    summary["wait_s"] = {c: sum(t["summary"]["wait_s"][c] for t in tries) for c in summary["wait_s"]}
+    summary["bytes_per_step"] = sum(t["summary"]["bytes_per_step"] for t in tries) / len(tries)
+    for key in ("stale_admitted", "stale_refused"):
+        summary[key] = sum(t["summary"].get(key, 0) for t in tries)
+    run["summary"] = summary
+    run["round_walls_s"] = [t["summary"]["train_wall_s"] for t in tries]
+    return run
+
+
 def _work(summary: Dict) -> float:
     """Mean over ranks of the seconds a rank's own thread computed (everything but its waits)."""
     ranks = summary["per_rank"]
     return sum(p["render_s"] + p["update_s"] + p["bookkeeping_s"] + p["loop_s"] for p in ranks) / len(ranks)
+
+
+def _cpu(summary: Dict) -> float:
+    """Mean over ranks of the processor seconds a rank's process used (every thread: a lane on a thread too)."""
+    ranks = summary["per_rank"]
+    return sum(p.get("cpu_s", 0.0) for p in ranks) / len(ranks)
 
 
 def compare(runs: List[Dict]) -> List[Dict]:
@@ -127,6 +156,9 @@ def compare(runs: List[Dict]) -> List[Dict]:
         # only: the same schedule)
         same_work = r["schedule"] == barrier["schedule"] and _work(s) > 0
         scale = _work(barrier["summary"]) / _work(s) if same_work else float("nan")
+        # the same, scaled by the processor time of the ranks' processes instead: every thread's work counts once
+        # (a lane on a thread included, the waiting not), whichever thread did it
+        cpu_scale = _cpu(barrier["summary"]) / _cpu(s) if same_work and _cpu(s) > 0 else float("nan")
         parts = {k: sum(p[k] for p in s["per_rank"]) / s["ranks"] for k in
                  ("render_s", "update_s", "bookkeeping_s", "loop_s")}
         waits = {c: sum(p["wait_s"][c] for p in s["per_rank"]) / s["ranks"] for c in s["wait_s"]}
@@ -141,6 +173,10 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "speedup_equal_speed": barrier["summary"]["train_wall_s"] / (wall * scale) if wall else float("nan"),
             "wait_hidden_equal_speed": (1 - (wall * scale - ideal) / barrier_wait
                                         if barrier_wait > 0 else float("nan")),
+            "speedup_equal_cpu": barrier["summary"]["train_wall_s"] / (wall * cpu_scale) if wall else float("nan"),
+            "wait_hidden_equal_cpu": (1 - (wall * cpu_scale - ideal) / barrier_wait
+                                      if barrier_wait > 0 else float("nan")),
+            "cpu_s": _cpu(s),
             "per_rank_mean_s": {**parts, **{f"wait_{c}_s": w for c, w in waits.items()}},
             "bytes_per_step": s["bytes_per_step"], "psnr": r.get("psnr"),
             "round_walls_s": r.get("round_walls_s", [wall]),
@@ -167,12 +203,13 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
     config = _method_config([run["method"], *QUIET_RUN, *flags])
     preview = build_preview(config, run["ranks"], config.max_num_iterations)
     costs = costs_from_stats(run["config"].parent / "odin_stats.json", preview.num_views)
+    costs.inline_lane = config.pipeline.lane == "inline"
     return simulate(preview.policy_plans()[run["method"]], costs).wall_s
 
 
 def print_table(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
-    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "render", "update",
+    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "at equal CPU", "render", "update",
             "bookkeeping", "loop",
             "validate", "transfer", "barrier", "phase", "MB/step", "resident", "stale/refused", "replayed wall",
             "PSNR")
@@ -183,6 +220,8 @@ def print_table(rows: List[Dict], title: str) -> None:
         table.add_row(r["label"], f"{r['views_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ideal_speedup']:.2f}x",
                       f"{r['wait_hidden']:.0%}", "-" if math.isnan(r["speedup_equal_speed"]) else
                       f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%}",
+                      "-" if math.isnan(r["speedup_equal_cpu"]) else
+                      f"{r['speedup_equal_cpu']:.2f}x, {r['wait_hidden_equal_cpu']:.0%}",
                       *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s", "loop_s", "wait_validate_s",
                                                 "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}",
@@ -196,7 +235,9 @@ def print_table(rows: List[Dict], title: str) -> None:
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
           "busiest rank's render + update in the barrier run on Odin's schedule. 'At equal speed': speed-up and "
           "wait hidden with each run's wall scaled by how much faster or slower the ranks' own work (wall minus "
-          "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs). 'resident': per rank, the "
+          "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs); 'at equal CPU': the same "
+          "with the processor time of the ranks' processes (every thread, a lane on a thread too) in place of the "
+          "main thread's work. 'resident': per rank, the "
           "largest share of the model it held at a step (owned + replicas), and in brackets the replicas it held in a phase "
           "over the most remote rows its views read in one window of the phase. 'stale/refused': block reads "
           "admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
@@ -216,6 +257,8 @@ def train_main(argv: List[str]) -> int:
                     help="rounds of every run (alternating order); each run reports its median-wall round")
     ap.add_argument("--keep-runs", action="store_true",
                     help="keep every run's outputs (config, checkpoint, odin_stats.json) under OUT/runs")
+    ap.add_argument("--thread-lane", action="store_true",
+                    help="also run odin-throughput with its communication lane on a thread (--pipeline.lane thread)")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
     if args.ranks < 2:
@@ -227,17 +270,21 @@ def train_main(argv: List[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.repeat < 1:
         raise SystemExit("odin: error: --repeat must be at least 1")
-    tries: Dict[str, List[Dict]] = {label: [] for label, _, _ in RUNS}
+    plan = [(label, method, order, []) for label, method, order in RUNS]
+    if args.thread_lane:
+        lane = next(p for p in POLICIES.values() if "lane" in p.options)
+        plan.append((f"{lane.label}, lane on a thread", lane.method, "odin", ["--pipeline.lane", "thread"]))
+    tries: Dict[str, List[Dict]] = {label: [] for label, _, _, _ in plan}
     with tempfile.TemporaryDirectory() as tmp:
         if args.keep_runs:
             tmp = str(out_dir / "runs")
         for rep in range(args.repeat):
             # every other round in reverse, so that a machine that slows down (or speeds up) over the invocation
             # does not favour the runs that come first
-            for label, method, order in (RUNS if rep % 2 == 0 else RUNS[::-1]):
+            for label, method, order, own in (plan if rep % 2 == 0 else plan[::-1]):
                 print(f"odin-bench: {label} ({method}, {args.ranks} ranks, {args.steps} steps, {args.scene}"
                       f"{f', round {rep + 1} of {args.repeat}' if args.repeat > 1 else ''})", flush=True)
-                flags = base + ["--pipeline.view-order", order] + extra + scene
+                flags = base + ["--pipeline.view-order", order] + own + extra + scene
                 run_dir = Path(tmp) / f"{label.replace(' ', '_').replace(',', '')}{f'_{rep}' if rep else ''}"
                 shutil.rmtree(run_dir, ignore_errors=True)  # a kept run of an earlier invocation
                 run = run_training(args.ranks, method, flags, run_dir, label, order)
@@ -245,7 +292,7 @@ def train_main(argv: List[str]) -> int:
                 # the trained model is the same in every round (same seeds and steps): evaluate it once
                 run["psnr"] = None if args.no_psnr or rep else held_out_psnr(run["config"])
                 tries[label].append(run)
-    runs = [median_run(tries[label]) for label, _, _ in RUNS]
+    runs = [median_run(tries[label]) for label, _, _, _ in plan]
     rows = compare(runs)
     title = f"{args.scene}: {args.ranks} ranks, {args.steps} steps"
     print_table(rows, title)

@@ -47,14 +47,18 @@ COMPARED = [(p.label, p.method) for p in sorted(POLICIES.values(), key=lambda p:
 def parse(argv: List[str]):
     ap = OneLineParser(prog="odin-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the training (real processes)")
-    ap.add_argument("--compare-steps", type=int, default=100,
+    ap.add_argument("--compare-steps", type=int, default=75,
                     help="steps of each policy's run in the side-by-side comparison (0: no comparison)")
+    ap.add_argument("--compare-rounds", type=int, default=2,
+                    help="rounds of the comparison, in alternating order, taken together")
     ap.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where the runs go")
     known, rest = ap.parse_known_args(argv)
     if known.ranks < 1:
         ap.error(f"--ranks must be at least 1 (got {known.ranks})")
     if known.compare_steps < 0:
         ap.error(f"--compare-steps must be 0 or more (got {known.compare_steps})")
+    if known.compare_rounds < 1:
+        ap.error(f"--compare-rounds must be at least 1 (got {known.compare_rounds})")
     if known.compare_steps and known.ranks < 2:
         ap.error("the comparison of policies needs --ranks 2 or more (or --compare-steps 0)")
     cut = next((i for i, a in enumerate(rest) if a in DATAPARSERS), len(rest))
@@ -102,24 +106,31 @@ def evaluate(config_path: Path, picture: Path) -> Dict:
     return {"step": step, "checkpoint": str(checkpoint), "eval_views": len(dataset), **metrics}
 
 
-def compare(ranks: int, steps: int, flags: List[str], scene: List[str], folder: Path):
-    """`odin-bench train`'s runs, on the demo's scene: barrier, odin and odin-throughput on Odin's schedule."""
-    runs = []
-    for label, method in COMPARED:
-        print(f"odin-demo: {label} for {steps} steps on {ranks} ranks (the side-by-side comparison)", flush=True)
-        runs.append(bench.run_training(ranks, method, MODEL + flags + ["--max-num-iterations", str(steps)] + scene,
-                                       folder / method, label, "odin"))
-    rows = bench.compare(runs)
-    timeline = bench_figures.timeline(runs, folder / "timeline.png", steps // 2, min(8, steps))
+def compare(ranks: int, steps: int, flags: List[str], scene: List[str], folder: Path, rounds: int = 2):
+    """`odin-bench train`'s runs, on the demo's scene: barrier, odin and odin-throughput on Odin's schedule, in
+    `rounds` rounds, every other one in reverse order, each policy's rounds taken together (a machine that speeds
+    up or slows down over the comparison favours no policy)."""
+    tries: Dict[str, List[Dict]] = {label: [] for label, _ in COMPARED}
+    for rep in range(rounds):
+        for label, method in (COMPARED if rep % 2 == 0 else COMPARED[::-1]):
+            print(f"odin-demo: {label} for {steps} steps on {ranks} ranks (the side-by-side comparison, round "
+                  f"{rep + 1} of {rounds})", flush=True)
+            tries[label].append(bench.run_training(
+                ranks, method, MODEL + flags + ["--max-num-iterations", str(steps)] + scene,
+                folder / f"{method}-{rep}", label, "odin"))
+    rows = bench.compare([bench.pooled_run(tries[label]) for label, _ in COMPARED])
+    firsts = [tries[label][0] for label, _ in COMPARED]
+    timeline = bench_figures.timeline(firsts, folder / "timeline.png", steps // 2, min(8, steps))
     return rows, timeline
 
 
-def print_comparison(rows: List[Dict], steps: int, ranks: int) -> None:
+def print_comparison(rows: List[Dict], steps: int, ranks: int, rounds: int = 1) -> None:
     from rich.table import Table
 
     from nerfstudio.utils.rich_utils import CONSOLE
 
-    table = Table(title=f"the policies side by side: {ranks} ranks, {steps} steps, the same schedule")
+    table = Table(title=f"the policies side by side: {ranks} ranks, {steps} steps"
+                        f"{f' x {rounds} rounds in alternating order' if rounds > 1 else ''}, the same schedule")
     for col in ("policy", "views/s", "speed-up", "ideal", "wait hidden", "at equal compute speed"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -151,17 +162,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     pictures = [run / "heldout.png"]
     rows = []
     if known.compare_steps:
-        rows, timeline = compare(known.ranks, known.compare_steps, flags, scene, run / "compare")
+        rows, timeline = compare(known.ranks, known.compare_steps, flags, scene, run / "compare",
+                                 known.compare_rounds)
         pictures.append(timeline)
     (run / "demo_metrics.json").write_text(json.dumps(
         {"ranks": known.ranks, "train_seconds": train_seconds, "metrics": metrics,
-         "comparison": {"steps": known.compare_steps, "runs": rows}}, indent=2, default=str))
+         "comparison": {"steps": known.compare_steps, "rounds": known.compare_rounds, "runs": rows}}, indent=2, default=str))
 
     from nerfstudio.utils.rich_utils import CONSOLE
 
     CONSOLE.rule("odin demo")
     if rows:
-        print_comparison(rows, known.compare_steps, known.ranks)
+        print_comparison(rows, known.compare_steps, known.ranks, known.compare_rounds)
     CONSOLE.print(f"trained `odin` on {known.ranks} ranks for {metrics['step'] + 1} steps in {train_seconds:.0f} s: "
                   f"held-out PSNR {metrics['psnr']:.2f} dB, SSIM {metrics['ssim']:.3f} over {metrics['eval_views']} "
                   "views")

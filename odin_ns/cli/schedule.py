@@ -184,6 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         costs, source = costs_from_stats(args.costs, preview.num_views), f"costs measured in {args.costs}"
     else:
         costs, source = model_costs(preview.gaussians_read, preview.pixels), "cost model"
+    costs.inline_lane = config.pipeline.lane == "inline"  # where throughput-first's lane runs
     print(f"odin-schedule: {config.method_name}, {args.ranks} rank(s), steps {args.first_step}-"
           f"{args.first_step + args.steps - 1}, {preview.num_views} training views, "
           f"{len(preview.block_counts)} blocks")

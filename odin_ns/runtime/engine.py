@@ -51,6 +51,7 @@ from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
 from odin_ns.schedule.views import ViewSchedule
 
+SENT_KEY = "odin/lane/gradients-sent/"  # + rank: the last step whose gradients the rank sent (inline lanes)
 NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
 
 
@@ -72,13 +73,17 @@ class OdinEngine(PhaseBoundary):
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
-                 admit_overlap: float = 1.0, admit_update: float = 0.0):
+                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "thread"):
         self.env = env
         self.policy = POLICIES[policy]
         # reads may be behind (alone, every policy is plain training: nothing to be behind of)
         self.staleness = max_staleness if self.policy.stale_reads and env.distributed else 0
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
+        self.lane_mode = lane  # throughput-first: where its communication lane runs (runtime/lane.py)
+        # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
+        self._store = (dist.distributed_c10d._get_default_store() if env.distributed and dist.is_initialized()
+                       else None)
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
         self.own_rows: OwnedVersions | None = None  # throughput-first: the own rows' versions the renders read
         self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
@@ -338,7 +343,8 @@ class OdinEngine(PhaseBoundary):
             self.own_version = {}
             self.own_pos = step - 1
             self.lane = Lane(self.program, {"W": self._lane_wait, "G": self._lane_gradients, "U": self._lane_update,
-                                            "P": self._lane_publish}, name=f"odin-lane-r{me}")
+                                            "P": self._lane_publish, "probe": self._lane_probe},
+                             name=f"odin-lane-r{me}", mode=self.lane_mode)
 
     def _end_phase(self, step: int, optimizers) -> None:
         """A global synchronization point: every send taken, the table synced, then any structural change."""
@@ -399,9 +405,11 @@ class OdinEngine(PhaseBoundary):
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
         self._mine, self._step_views = None, None
-        if self.lane is not None:
+        if self.lane is not None and self.lane_mode == "thread":
             with self.log.waiting("validate"):
                 self.lane.ready(step)
+        elif self.lane is not None:  # inline: the lane's own waits, updates and packing count as what they are
+            self.lane.ready(step)
         else:
             self.program.run(self.program.pre[step], self._handlers(step, optimizers))
         self.runtime.attach_notes(step, record)
@@ -500,6 +508,20 @@ class OdinEngine(PhaseBoundary):
     def _lane_gradients(self, group, contributions, view_ids) -> None:
         self._lane_mine = self.runtime.send_gradients(group[0].step, contributions, view_ids,
                                                       [a.peer for a in group])
+        if self.lane_mode == "inline":  # the owners' probe: this rank's gradients of the step are out
+            self._store.set(f"{SENT_KEY}{self.env.rank}", str(group[0].step))
+
+    def _lane_probe(self, action) -> bool:
+        """Inline: whether every reader of the rank's blocks at `action.step` has sent its gradients of that step
+        (each rank notes, in the job's key-value store, the last step whose gradients it sent; the gradients are
+        on the pair after every earlier message, so the update would not wait). Which way it goes changes when the
+        update runs, never what it computes nor what any render reads."""
+        keys = [f"{SENT_KEY}{q}" for q in self.plan.readers(action.step, self.env.rank)]
+        if not keys:
+            return True
+        if not self._store.check(keys):
+            return False
+        return all(int(v) >= action.step for v in self._store.multi_get(keys))
 
     def _lane_update(self, action, given) -> None:
         step = action.step

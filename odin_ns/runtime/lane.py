@@ -1,4 +1,4 @@
-"""Throughput-first's communication lane: the `on_thread` actions of a phase, run in list order on one thread.
+"""Throughput-first's communication lane: the `on_thread` actions of a phase, run in list order.
 
 With reads one version behind, a rank renders step t+1 from the version of update t-1 of the blocks it reads. That
 hides another rank's lag only if the publication of update t-1 is taken, and this rank's own update of step t is
@@ -9,7 +9,19 @@ posts every message of the rank: the order on every pair of ranks is the list's)
 The lane and the renders meet at two points per step: a render of step t starts when every W of step t is decided
 (`ready`); the lane's G of step t waits for that step's contributions (`put`). A W the plan admits behind runs
 early, before the rank's update of step t-1; if the evidence refuses it, it runs again after that update and its
-publications (current). Written here: torch.distributed has no such lane; it is Python's threading.
+publications (current). Written here: torch.distributed has no such lane.
+
+Where the lane runs (`--pipeline.lane`):
+- `thread` (the default): on a thread of its own (Python's threading), beside the renders (what the prediction
+  for GPUs, `odin-bench predict`, models as a stream beside the renders' kernels).
+- `inline`: on the rank's own thread, when it would otherwise wait. Before the render of step t+1 the
+  rank runs the lane as far as that render's reads need (the gradients of step t out, the reads admitted behind
+  taken), then its update of step t and the publications after it if every reader has already sent its gradients
+  of step t (`probe`); if one has not, the rank renders t+1 first and updates after it, instead of waiting for
+  the peer. Nothing competes with the renders for the processor (a thread takes the cores the renders need, and
+  Python's lock), but a rank that renders first publishes its update a render later.
+Either way the versions every render reads are the plan's (and the evidence's), never the timing's: both give the
+same model bit for bit.
 """
 
 from __future__ import annotations
@@ -22,13 +34,20 @@ from odin_ns.runtime.interpreter import ActionError, Program
 from odin_ns.schedule.actions import Action
 
 
+LANE_MODES = ("inline", "thread")
+
+
 class Lane:
-    """Runs `program.lane` with `handlers` on a thread (see the module docstring).
+    """Runs `program.lane` with `handlers`, inline or on a thread (see the module docstring).
 
     handlers: "W" (action, until) -> decided?; "G" (actions, contributions, view ids); "U" (action, the step's
-    (contributions, view ids) when no G of the step took them, else None); "P" (actions)."""
+    (contributions, view ids) when no G of the step took them, else None); "P" (actions); inline, "probe" (a U
+    action) -> whether every contribution it takes has been sent (it would not wait)."""
 
-    def __init__(self, program: Program, handlers: Dict[str, Callable], name: str = "odin-lane"):
+    def __init__(self, program: Program, handlers: Dict[str, Callable], name: str = "odin-lane",
+                 mode: str = "thread"):
+        if mode not in LANE_MODES:
+            raise ValueError(f"unknown lane mode {mode!r} (choose from {', '.join(LANE_MODES)})")
         self.program = program
         self.handlers = handlers
         self._cond = threading.Condition()
@@ -45,13 +64,26 @@ class Lane:
         for step in range(program.start, program.stop):
             if not self._waits_left[step]:
                 self._ready.add(step)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._next = 0  # inline: the first action of the list not run yet
+        self._thread = None
+        if mode == "thread":
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     # ---- the main thread's side ---------------------------------------------------------------------------
 
     def ready(self, step: int) -> None:
         """Until every read of `step` is decided (its publications taken, its own version chosen)."""
+        if self._thread is None:  # inline: as far as the reads need, the gradients of earlier steps out, and
+            # an earlier step's update (and its publications) if every contribution it takes is already sent
+            while self.error is None and not self.done and (step not in self._ready or self._sends_next(step)
+                                                             or self._update_ready(step)):
+                self._advance()
+            self._raise()
+            if step not in self._ready:
+                raise ActionError(f"rank {self.program.rank}, phase {self.program.start}-{self.program.stop - 1}: "
+                                  f"the communication lane ended before step {step}'s reads were decided")
+            return
         with self._cond:
             while step not in self._ready and self.error is None:
                 self._cond.wait(timeout=1.0)
@@ -65,10 +97,30 @@ class Lane:
 
     def join(self) -> None:
         """Until the lane has run its whole list (the phase's end)."""
+        if self._thread is None:
+            while not self.done and self.error is None:
+                self._advance()
+            self._raise()
+            return
         with self._cond:
             while not self.done and self.error is None:
                 self._cond.wait(timeout=1.0)
         self._raise()
+
+    def _sends_next(self, step: int) -> bool:
+        """Inline: whether the next action sends an earlier step's gradients (they go out before a render)."""
+        lane = self.program.lane
+        return self._next < len(lane) and lane[self._next].kind == "G" and lane[self._next].step < step
+
+    def _update_ready(self, step: int) -> bool:
+        """Inline: whether the next action is an earlier step's update that would not wait (`probe`: every reader
+        has sent its gradients), or the publications after one (sends do not wait)."""
+        lane, i = self.program.lane, self._next
+        if i >= len(lane) or lane[i].step >= step:
+            return False
+        if lane[i].kind == "P":
+            return i > 0 and lane[i - 1].kind in ("U", "P")
+        return lane[i].kind == "U" and "probe" in self.handlers and self.handlers["probe"](lane[i])
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -77,6 +129,9 @@ class Lane:
     # ---- the lane --------------------------------------------------------------------------------------------
 
     def _contributions(self, step: int):
+        if self._thread is None and step not in self._given:
+            raise ActionError(f"rank {self.program.rank}: the lane needs step {step}'s contributions before its "
+                              f"renders gave them")
         with self._cond:
             while step not in self._given:
                 self._cond.wait(timeout=1.0)
@@ -90,20 +145,24 @@ class Lane:
                 self._cond.notify_all()
 
     def _run(self) -> None:
+        while not self.done and self.error is None:
+            self._advance()
+
+    def _advance(self) -> None:
+        """Run the next group of actions (consecutive actions of one kind and step); an error is kept in `error`."""
         lane = self.program.lane
         try:
-            i = 0
-            while i < len(lane):
-                j = i + 1
-                while j < len(lane) and lane[j].kind == lane[i].kind and lane[j].step == lane[i].step:
-                    j += 1
-                group = lane[i:j]
-                self._run_group(group, later=lane[j:])
-                i = j
-            with self._cond:
-                self.done = True
-                self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 (handed to the main thread, which raises it)
+            i = j = self._next
+            while j < len(lane) and lane[j].kind == lane[i].kind and lane[j].step == lane[i].step:
+                j += 1
+            if j > i:
+                self._run_group(lane[i:j], later=lane[j:])
+            self._next = j
+            if j == len(lane):
+                with self._cond:
+                    self.done = True
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 (the thread hands it to the main thread, which raises it)
             if not isinstance(exc, ActionError):
                 exc = ActionError(f"rank {self.program.rank}, phase {self.program.start}-{self.program.stop - 1}, "
                                   f"the communication lane: {type(exc).__name__}: {exc}")

@@ -50,6 +50,7 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
             "loop_s": sum(r.get("loop_s", 0.0) for r in mine),
             "wait_s": {c: sum(r["wait_s"][c] for r in mine) for c in CAUSES},
             "wall_s": sum(r.get("wall_s", 0.0) for r in mine),
+            "cpu_s": sum(r.get("cpu_s", 0.0) for r in mine),
         })
     train_wall = _train_wall(records)
     return {

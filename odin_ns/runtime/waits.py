@@ -33,6 +33,9 @@ class StepRecord:
     loop_s: float = 0.0
     wall_s: float = 0.0
     started: float = 0.0  # time.perf_counter() (CLOCK_MONOTONIC: comparable across the ranks of one machine)
+    # processor time of the rank's process over the step (every thread: the renders, a lane on a thread, the
+    # transport's own threads): the work done whichever thread did it, none of the waiting
+    cpu_s: float = 0.0
     wait_s: Dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -63,7 +66,7 @@ class StepRecord:
         return {
             "step": self.step, "rank": self.rank, "views": self.views, "compute_s": self.compute_s,
             "update_s": self.update_s, "bookkeeping_s": self.bookkeeping_s, "loop_s": self.loop_s,
-            "wall_s": self.wall_s, "started": self.started,
+            "wall_s": self.wall_s, "started": self.started, "cpu_s": self.cpu_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
             "gaussians_window": self.gaussians_window,
@@ -90,6 +93,7 @@ class WaitLog:
         now = time.perf_counter()
         self.close(now)
         self.current = StepRecord(step=step, rank=self.rank, started=now)
+        self._cpu_started = time.process_time()
         self.records.append(self.current)
         self._inside = now
         return self.current
@@ -109,6 +113,7 @@ class WaitLog:
             return
         now = time.perf_counter() if now is None else now
         r.wall_s = now - r.started
+        r.cpu_s = time.process_time() - getattr(self, "_cpu_started", time.process_time())
         outside_waits = sum(r.wait_s.values()) - getattr(self, "_waited_inside", 0.0)
         r.loop_s = max(0.0, r.wall_s - getattr(self, "_inside_s", r.wall_s) - outside_waits)
 

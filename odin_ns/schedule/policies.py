@@ -140,7 +140,7 @@ POLICIES: Dict[str, Policy] = {p.name: p for p in (
     Policy(name="throughput", method="odin-throughput", label="odin-throughput",
            description="Odin, throughput-first: bounded, admitted delayed reads across ranks.",
            panel="odin-throughput (reads admitted one version behind)",
-           barrier=False, stale_reads=True, options=("max_staleness", "admit_overlap", "admit_update"),
+           barrier=False, stale_reads=True, options=("max_staleness", "admit_overlap", "admit_update", "lane"),
            generator=throughput_actions),
     Policy(name="barrier", method="odin-barrier", label="barrier",
            description="Distributed Gaussian splatting with a global barrier every step (the baseline).",

@@ -12,7 +12,7 @@ checks its own action kinds, not these.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from odin_ns.schedule.actions import Action
@@ -44,6 +44,9 @@ class Costs:
     # + loop). Where the replayed rank renders the same views at that step, the replay takes these, and so keeps
     # the run's step-to-step jitter (what ranks wait for); elsewhere the means above
     measured: Optional[Callable[[int, int], Optional[Tuple[Tuple[int, ...], float, float, float]]]] = None
+    # throughput-first's lane runs inline, on the rank's own thread (`--pipeline.lane inline`): one processor per
+    # rank runs both lanes, an earlier step's update before a render when its gradients are in (`runtime.lane`)
+    inline_lane: bool = False
 
     def at(self, step: int, rank: int, views: Tuple[int, ...]) -> Tuple[Optional[float], float, float]:
         """(render of one of the rank's views, or None for the per-view cost; update; overhead) at `step`."""
@@ -124,11 +127,55 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             return sent[("P", a.peer, r, needed)] + costs.latency
         return None
 
-    def run(r: int, lane: int) -> bool:
-        """Run lane `lane` of rank r as far as it goes; whether it moved."""
+    force_render = set()  # inline ranks whose choice of update or render no later event can decide any more
+
+    def inline_next(r: int) -> Optional[int]:
+        """Inline lane (`runtime.lane`): which lane of rank r runs next (0 the render, 1 the lane), None when it
+        cannot be decided yet: an earlier step's update goes before the render if every reader has sent its
+        gradients by now, a reader that has not but may still (its clock is behind) leaves it open."""
+        main, lane = lanes[r]
+        if pos[r][1] >= len(lane):
+            return 0
+        if pos[r][0] >= len(main):
+            return 1
+        a, nxt = main[pos[r][0]], lane[pos[r][1]]
+        if pos[r][0] and main[pos[r][0] - 1].kind == "R" and main[pos[r][0] - 1].step == a.step:
+            return 0  # the step's next view: its reads are decided
+        if waits_left.get((r, a.step), 0) or (nxt.kind == "G" and nxt.step < a.step):
+            return 1
+        if nxt.step >= a.step:
+            return 0
+        if nxt.kind == "P":
+            return 1 if lane[pos[r][1] - 1].kind in ("U", "P") else 0
+        if nxt.kind != "U" or r in force_render:
+            return 0
+        now = clock[r][0]
+        for q in expected_grads.get((r, nxt.step), []):
+            if ("G", q, r, nxt.step) in sent:
+                if sent[("G", q, r, nxt.step)] > now:
+                    return 0
+            elif min(clock[q]) <= now:
+                return None
+            else:
+                return 0
+        return 1
+
+    def run_inline(r: int) -> bool:
+        """Run rank r's lists as far as they go on one processor, in the order an inline lane takes."""
+        moved = False
+        while True:
+            which = inline_next(r)
+            if which is None or not run(r, which, once=True):
+                return moved
+            force_render.discard(r)
+            clock[r][0] = clock[r][1] = max(clock[r])
+            moved = True
+
+    def run(r: int, lane: int, once: bool = False) -> bool:
+        """Run lane `lane` of rank r as far as it goes (one action if `once`); whether it moved."""
         moved = False
         todo = lanes[r][lane]
-        while pos[r][lane] < len(todo):
+        while pos[r][lane] < len(todo) and not (once and moved):
             a = todo[pos[r][lane]]
             t = clock[r][lane]
             if a.kind == "R":
@@ -169,6 +216,8 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     clock[r][0] += update
                 updated[(r, a.step)] = clock[r][lane]
                 clock[r][0] += overhead  # the main thread's own bookkeeping of the step
+                if costs.inline_lane:
+                    clock[r][1] = clock[r][0] = clock[r][lane] + (overhead if lane else 0.0)
             elif a.kind == "B":
                 arrivals = barrier_arrivals.setdefault(a.step, {})
                 arrivals.setdefault(r, t)
@@ -182,10 +231,17 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
     while True:
         progressed = False
         for r in ranks:
+            if costs.inline_lane:
+                progressed |= run_inline(r)
+                continue
             progressed |= run(r, 1)
             progressed |= run(r, 0)
         if all(pos[r][0] == len(lanes[r][0]) and pos[r][1] == len(lanes[r][1]) for r in ranks):
             return [max(clock[r]) + costs.phase for r in ranks]
+        undecided = [r for r in ranks if costs.inline_lane and inline_next(r) is None]
+        if not progressed and undecided:  # every rank that could still send is waiting: nobody sends before
+            force_render.update(undecided)
+            continue
         if not progressed:
             stuck = [f"rank {r} at {lanes[r][lane][pos[r][lane]]!r} (step {lanes[r][lane][pos[r][lane]].step})"
                      for r in ranks for lane in (0, 1) if pos[r][lane] < len(lanes[r][lane])]
