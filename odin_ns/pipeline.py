@@ -63,12 +63,12 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Throughput-first, the runtime's evidence: a read k versions behind is admitted only if k times the relative
     size ||delta|| / ||params|| of the last update of each block it reads is at most this. Smaller refuses more
     reads (waits more, closer to odin); larger admits reads behind larger updates (hides more, drifts more)."""
-    lane: Literal["thread", "inline"] = "thread"
+    lane: Literal["auto", "inline", "thread"] = "auto"
     """Throughput-first: where the communication lane (gradients out, publications in, the owner's update and its
-    publications) runs: on a thread beside the renders (a stream's place on a GPU), or inline, on the rank's own
-    thread when it would otherwise wait (it renders its next step while a peer's gradients are late, and updates
-    after that render; nothing competes with the renders for the processor). Both give the same model bit for
-    bit."""
+    publications) runs: inline, on the rank's own thread when it would otherwise wait (it renders its next step
+    while a peer's gradients are late, and updates after that render; nothing competes with the renders for a
+    core), or on a thread beside the renders (the update is published while the next render runs). auto: inline
+    on CPU ranks, a thread on GPUs. Every choice gives the same model bit for bit."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""

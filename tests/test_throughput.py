@@ -2,7 +2,7 @@
 
 A read may use a block's version one update behind when the plan and the runtime's evidence admit it; the late
 gradient is applied by the owner to the newer version. The same run twice is the same bit for bit (once with the
-communication lane on a thread, once inline), and so is a run
+communication lane inline, once on a thread), and so is a run
 resumed from one of its checkpoints (the checkpoint keeps each block's evidence); no read is more than
 --pipeline.max-staleness behind or behind across a phase boundary (checked on the run's own stats); with the
 admission thresholds at zero only reads of blocks the pending steps leave unchanged are admitted, and the result is
@@ -45,9 +45,9 @@ def check_bounds(stats, max_staleness: int) -> int:
 
 def test_throughput_is_deterministic_bounded_and_not_odin(runs):
     a_out = city(runs, 2, "odin-throughput", *KEEP)
-    # the same run again, its communication lane inline (on the rank's own thread) instead of on a thread beside
-    # the renders (the default): other timings and another order of work, the same versions read, the same model
-    a, b = load(a_out), load(city(runs, 2, "odin-throughput", *KEEP, "--pipeline.lane", "inline"))
+    # the same run again, its communication lane on a thread beside the renders instead of inline (the default on
+    # CPU ranks): other timings and another order of work, the same versions read, the same model
+    a, b = load(a_out), load(city(runs, 2, "odin-throughput", *KEEP, "--pipeline.lane", "thread"))
     assert_sh_trained(a)
     assert_same_training(a, b)
     run_stats = stats(a_out)

@@ -196,6 +196,7 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
     and its own lists, with the costs it measured (`odin-schedule --costs`: per step where the views match, and
     this machine's loopback latency per message). What `odin-bench predict` does with a GPU's costs."""
     from odin_ns.cli.schedule import _method_config
+    from odin_ns.runtime.lane import resolve_lane
     from odin_ns.schedule.costs import costs_from_stats
     from odin_ns.schedule.preview import build_preview
     from odin_ns.schedule.simulate import simulate
@@ -203,7 +204,7 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
     config = _method_config([run["method"], *QUIET_RUN, *flags])
     preview = build_preview(config, run["ranks"], config.max_num_iterations)
     costs = costs_from_stats(run["config"].parent / "odin_stats.json", preview.num_views)
-    costs.inline_lane = config.pipeline.lane == "inline"
+    costs.inline_lane = resolve_lane(config.pipeline.lane, config.machine.device_type) == "inline"
     return simulate(preview.policy_plans()[run["method"]], costs).wall_s
 
 
@@ -258,7 +259,8 @@ def train_main(argv: List[str]) -> int:
     ap.add_argument("--keep-runs", action="store_true",
                     help="keep every run's outputs (config, checkpoint, odin_stats.json) under OUT/runs")
     ap.add_argument("--thread-lane", action="store_true",
-                    help="also run odin-throughput with its communication lane on a thread (--pipeline.lane thread)")
+                    help="also run odin-throughput with its communication lane on a thread (--pipeline.lane thread; "
+                         "inline is the default on CPU ranks)")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
     if args.ranks < 2:

@@ -131,18 +131,20 @@ def print_comparison(rows: List[Dict], steps: int, ranks: int, rounds: int = 1) 
 
     table = Table(title=f"the policies side by side: {ranks} ranks, {steps} steps"
                         f"{f' x {rounds} rounds in alternating order' if rounds > 1 else ''}, the same schedule")
-    for col in ("policy", "views/s", "speed-up", "ideal", "wait hidden", "at equal compute speed"):
+    for col in ("policy", "views/s", "speed-up", "ideal", "wait hidden", "at equal compute speed", "at equal CPU"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["label"], f"{r['views_per_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['ideal_speedup']:.2f}x",
                       f"{r['wait_hidden']:.0%}",
-                      f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%} hidden")
+                      f"{r['speedup_equal_speed']:.2f}x, {r['wait_hidden_equal_speed']:.0%} hidden",
+                      f"{r['speedup_equal_cpu']:.2f}x, {r['wait_hidden_equal_cpu']:.0%} hidden")
     CONSOLE.print(table)
     CONSOLE.print("speed-up over barrier; ideal: the barrier run without its waits; wait hidden: the share of "
                   "barrier's wait the policy removes. On a shared machine the same work runs at speeds that drift "
-                  "by 10-25% from run to run: the last column scales each run to the barrier run's compute speed "
-                  "(its ranks' own work, wall minus waits), which cancels that drift; the raw columns do not. "
-                  "`odin-bench train` measures longer and repeated.")
+                  "by 10-25% from run to run: the last columns scale each run to the barrier run's compute speed "
+                  "(its ranks' own work, wall minus waits; or the processor time of their processes, every "
+                  "thread), which cancels that drift; the raw columns do not. `odin-bench train` measures longer "
+                  "and repeated.")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from odin_ns.errors import OdinInputError
 from odin_ns.schedule.conformance import check_lists
+from odin_ns.runtime.lane import resolve_lane
 from odin_ns.schedule.costs import costs_from_stats, model_costs
 from odin_ns.schedule.plan import PhasePlan, dependency_pairs
 from odin_ns.schedule.policies import POLICIES
@@ -184,7 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         costs, source = costs_from_stats(args.costs, preview.num_views), f"costs measured in {args.costs}"
     else:
         costs, source = model_costs(preview.gaussians_read, preview.pixels), "cost model"
-    costs.inline_lane = config.pipeline.lane == "inline"  # where throughput-first's lane runs
+    # where throughput-first's lane runs: the replay plays it there
+    costs.inline_lane = resolve_lane(config.pipeline.lane, config.machine.device_type) == "inline"
     print(f"odin-schedule: {config.method_name}, {args.ranks} rank(s), steps {args.first_step}-"
           f"{args.first_step + args.steps - 1}, {preview.num_views} training views, "
           f"{len(preview.block_counts)} blocks")

@@ -33,7 +33,7 @@ from odin_ns.runtime.boundary import PhaseBoundary
 from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.interpreter import Program
-from odin_ns.runtime.lane import Lane
+from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.owned_versions import OwnedVersions
 from odin_ns.runtime.owner_update import Contribution, contribution_rows
@@ -73,14 +73,15 @@ class OdinEngine(PhaseBoundary):
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
-                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "thread"):
+                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto"):
         self.env = env
         self.policy = POLICIES[policy]
         # reads may be behind (alone, every policy is plain training: nothing to be behind of)
         self.staleness = max_staleness if self.policy.stale_reads and env.distributed else 0
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
-        self.lane_mode = lane  # throughput-first: where its communication lane runs (runtime/lane.py)
+        # throughput-first: where its communication lane runs (runtime/lane.py)
+        self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
         self._store = (dist.distributed_c10d._get_default_store() if env.distributed and dist.is_initialized()
                        else None)
@@ -348,6 +349,9 @@ class OdinEngine(PhaseBoundary):
 
     def _end_phase(self, step: int, optimizers) -> None:
         """A global synchronization point: every send taken, the table synced, then any structural change."""
+        if self.lane is not None and self.lane_mode == "inline":  # the lane's rest is this rank's own work and
+            self.lane.join()  # waits (its update, its publications), counted as what they are
+            self.lane = None
         with self.log.waiting("phase"):
             if self.lane is not None:
                 self.lane.join()

@@ -12,9 +12,9 @@ early, before the rank's update of step t-1; if the evidence refuses it, it runs
 publications (current). Written here: torch.distributed has no such lane.
 
 Where the lane runs (`--pipeline.lane`):
-- `thread` (the default): on a thread of its own (Python's threading), beside the renders (what the prediction
-  for GPUs, `odin-bench predict`, models as a stream beside the renders' kernels).
-- `inline`: on the rank's own thread, when it would otherwise wait. Before the render of step t+1 the
+- `thread` (the default on GPUs): on a thread of its own (Python's threading), beside the renders (what the
+  prediction for GPUs, `odin-bench predict`, models as a stream beside the renders' kernels).
+- `inline` (the default on CPUs): on the rank's own thread, when it would otherwise wait. Before the render of step t+1 the
   rank runs the lane as far as that render's reads need (the gradients of step t out, the reads admitted behind
   taken), then its update of step t and the publications after it if every reader has already sent its gradients
   of step t (`probe`); if one has not, the rank renders t+1 first and updates after it, instead of waiting for
@@ -35,6 +35,15 @@ from odin_ns.schedule.actions import Action
 
 
 LANE_MODES = ("inline", "thread")
+
+
+def resolve_lane(lane: str, device_type: str) -> str:
+    """`--pipeline.lane`: auto is inline on CPU ranks (the ranks fill the cores; a thread takes them from the
+    renders, measured no faster) and a thread on GPUs (the update is published while the next render runs: what
+    the prediction for GPUs finds much better when messages take long)."""
+    if lane == "auto":
+        return "inline" if device_type == "cpu" else "thread"
+    return lane
 
 
 class Lane:
