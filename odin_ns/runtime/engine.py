@@ -85,6 +85,8 @@ class OdinEngine(PhaseBoundary):
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
         self._store = (dist.distributed_c10d._get_default_store() if env.distributed and dist.is_initialized()
                        else None)
+        if self._store is not None and self.lane_mode == "inline":  # every key exists before the first probe (the
+            self._store.set(f"{SENT_KEY}{env.rank}", "-1")  # start-up's collectives come between): one read each
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
         self.own_rows: OwnedVersions | None = None  # throughput-first: the own rows' versions the renders read
         self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
@@ -521,11 +523,7 @@ class OdinEngine(PhaseBoundary):
         on the pair after every earlier message, so the update would not wait). Which way it goes changes when the
         update runs, never what it computes nor what any render reads."""
         keys = [f"{SENT_KEY}{q}" for q in self.plan.readers(action.step, self.env.rank)]
-        if not keys:
-            return True
-        if not self._store.check(keys):
-            return False
-        return all(int(v) >= action.step for v in self._store.multi_get(keys))
+        return not keys or all(int(v) >= action.step for v in self._store.multi_get(keys))
 
     def _lane_update(self, action, given) -> None:
         step = action.step
