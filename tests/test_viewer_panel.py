@@ -131,7 +131,9 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
            str(tmp_path / "run"), "--vis", "viewer", "--viewer.websocket-host", "127.0.0.1",
            "--viewer.websocket-port", str(port), "--viewer.quit-on-train-completion", "True",
            "--pipeline.viewer-refresh-every", "10", "--max-num-iterations", "100000",
-           "--pipeline.model.stop-split-at", "0", *args, *TINY_CITY]
+           "--pipeline.model.stop-split-at", "0",
+           # the lane on a thread (inline is the default on CPU ranks): the panel shows the update thread's share
+           "--pipeline.lane", "thread", *args, *TINY_CITY]
     log = tmp_path / "stderr.txt"
     with open(log, "w") as stderr:
         run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
