@@ -7,8 +7,10 @@
                      [--keep-runs] [--thread-lane]
 
 `train` runs, one after the other in one invocation, on the same data, seeds and steps: `odin-barrier` on
-nerfstudio's random order, then `odin-barrier`, `odin` and `odin-throughput` on Odin's schedule. It prints one
-table (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, the time breakdown
+nerfstudio's random order, then `odin-barrier`, `odin` and `odin-throughput` on Odin's schedule (and, with
+`--thread-lane`, `odin-throughput` with its communication lane on a thread). It prints one
+table (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, raw and at equal
+compute speed or processor time, the time breakdown
 per rank, bytes per step, block reads admitted behind and refused, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
 hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
 order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra
