@@ -10,9 +10,8 @@
 nerfstudio's random order, then `odin-barrier`, `odin` and `odin-throughput` on Odin's schedule (and, with
 `--thread-lane`, `odin-throughput` with its communication lane on a thread). It prints one
 table (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, raw and at equal
-compute speed or processor time, the time breakdown
-per rank, bytes per step, block reads admitted behind and refused, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait
-hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
+compute speed or processor time, the time breakdown per rank, bytes per step, block reads admitted behind and
+refused, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
 order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra
 arguments after `--` go to every run before the scene's data parser (e.g. `-- --pipeline.block-size 256`).
 """
@@ -212,8 +211,8 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
 
 def print_table(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
-    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "at equal CPU", "render", "update",
-            "bookkeeping", "loop",
+    cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "at equal CPU", "render",
+            "update", "bookkeeping", "loop",
             "validate", "transfer", "barrier", "phase", "MB/step", "resident", "stale/refused", "replayed wall",
             "PSNR")
     for col in cols:
@@ -238,11 +237,11 @@ def print_table(rows: List[Dict], title: str) -> None:
     print("Times are seconds per rank (mean over ranks); with waits they add up to the wall. The ideal is the "
           "busiest rank's render + update in the barrier run on Odin's schedule. 'At equal speed': speed-up and "
           "wait hidden with each run's wall scaled by how much faster or slower the ranks' own work (wall minus "
-          "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs); 'at equal CPU': the same "
-          "with the processor time of the ranks' processes (every thread, a lane on a thread too) in place of the "
-          "main thread's work. 'resident': per rank, the "
-          "largest share of the model it held at a step (owned + replicas), and in brackets the replicas it held in a phase "
-          "over the most remote rows its views read in one window of the phase. 'stale/refused': block reads "
+          "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs); 'at equal "
+          "CPU': the same with the processor time of the ranks' processes (every thread, a lane on a thread too) in "
+          "place of the main thread's work. 'resident': per rank, the largest share of the model it held at a step "
+          "(owned + replicas), and in brackets the replicas it held in a phase over the most remote rows its views "
+          "read in one window of the phase. 'stale/refused': block reads "
           "admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
           "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 

@@ -169,7 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         pictures.append(timeline)
     (run / "demo_metrics.json").write_text(json.dumps(
         {"ranks": known.ranks, "train_seconds": train_seconds, "metrics": metrics,
-         "comparison": {"steps": known.compare_steps, "rounds": known.compare_rounds, "runs": rows}}, indent=2, default=str))
+         "comparison": {"steps": known.compare_steps, "rounds": known.compare_rounds, "runs": rows}},
+        indent=2, default=str))
 
     from nerfstudio.utils.rich_utils import CONSOLE
 

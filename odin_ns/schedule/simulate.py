@@ -12,7 +12,7 @@ checks its own action kinds, not these.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from odin_ns.schedule.actions import Action
