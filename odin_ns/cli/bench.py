@@ -11,8 +11,8 @@ nerfstudio's random order, then `odin-barrier`, `odin` and `odin-throughput` on 
 `--thread-lane`, `odin-throughput` with its communication lane on a thread). It prints one
 table (views/s, speed-up over barrier on the same schedule, the ideal speed-up, wait hidden, raw and at equal
 compute speed or processor time, the time breakdown per rank, bytes per step, block reads admitted behind and
-refused, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait hidden as PNG, and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse
-order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra
+refused, held-out PSNR from `ns-eval`), writes a per-rank timeline and bars of speed-up and wait hidden as PNG,
+and with `--json` the rows. `--repeat N` makes N rounds of the runs, every other one in reverse order, and reports for each run its round with the median wall (shared machines drift over minutes). Extra
 arguments after `--` go to every run before the scene's data parser (e.g. `-- --pipeline.block-size 256`).
 """
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from odin_ns.errors import OdinInputError
-from odin_ns.schedule.conformance import check_lists
 from odin_ns.runtime.lane import resolve_lane
+from odin_ns.schedule.conformance import check_lists
 from odin_ns.schedule.costs import costs_from_stats, model_costs
 from odin_ns.schedule.plan import PhasePlan, dependency_pairs
 from odin_ns.schedule.policies import POLICIES

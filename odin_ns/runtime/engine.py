@@ -13,6 +13,7 @@ share the global batch: N ranks with one view each equal one rank with a micro-b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -351,13 +352,11 @@ class OdinEngine(PhaseBoundary):
 
     def _end_phase(self, step: int, optimizers) -> None:
         """A global synchronization point: every send taken, the table synced, then any structural change."""
-        if self.lane is not None and self.lane_mode == "inline":  # the lane's rest is this rank's own work and
-            self.lane.join()  # waits (its update, its publications), counted as what they are
+        if self.lane is not None:
+            with self._lane_waiting("phase"):
+                self.lane.join()
             self.lane = None
         with self.log.waiting("phase"):
-            if self.lane is not None:
-                self.lane.join()
-                self.lane = None
             self.runtime.finish()
             if self._is_refine_step(step):
                 self._refine(step, optimizers)
@@ -411,11 +410,9 @@ class OdinEngine(PhaseBoundary):
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
         self._mine, self._step_views = None, None
-        if self.lane is not None and self.lane_mode == "thread":
-            with self.log.waiting("validate"):
+        if self.lane is not None:
+            with self._lane_waiting("validate"):
                 self.lane.ready(step)
-        elif self.lane is not None:  # inline: the lane's own waits, updates and packing count as what they are
-            self.lane.ready(step)
         else:
             self.program.run(self.program.pre[step], self._handlers(step, optimizers))
         self.runtime.attach_notes(step, record)
@@ -510,6 +507,11 @@ class OdinEngine(PhaseBoundary):
             return False
         self.own_pos = self.own_version[step] = version
         return True
+
+    def _lane_waiting(self, cause: str):
+        """Around a call into the lane: on a thread, the rank waits for it (`cause`); inline, the lane runs on the
+        rank's thread and its own waits, update and packing count as what they are."""
+        return self.log.waiting(cause) if self.lane_mode == "thread" else contextlib.nullcontext()
 
     def _lane_gradients(self, group, contributions, view_ids) -> None:
         self._lane_mine = self.runtime.send_gradients(group[0].step, contributions, view_ids,

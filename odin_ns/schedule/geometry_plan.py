@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from odin_ns.runtime.engine import NEAR_PLANE
 from odin_ns.scene.blocks import block_bounds, build_layout
 from odin_ns.scene.ownership import assign_contiguous
 from odin_ns.scene.read_sets import blocks_in_views
@@ -22,7 +23,6 @@ from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.preview import Preview
 from odin_ns.schedule.views import ViewSchedule
 
-NEAR_PLANE = 0.01
 
 
 def visible_share(means: torch.Tensor, counts: torch.Tensor, viewmats: torch.Tensor, Ks: torch.Tensor, width: int,
