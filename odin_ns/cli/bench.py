@@ -196,16 +196,13 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
     """The run's wall as the replay predicts it: its own plan (made again from the same flags, without training)
     and its own lists, with the costs it measured (`odin-schedule --costs`: per step where the views match, and
     this machine's loopback latency per message). What `odin-bench predict` does with a GPU's costs."""
-    from odin_ns.cli.schedule import _method_config
-    from odin_ns.runtime.lane import resolve_lane
-    from odin_ns.schedule.costs import costs_from_stats
+    from odin_ns.cli.schedule import _method_config, replay_costs
     from odin_ns.schedule.preview import build_preview
     from odin_ns.schedule.simulate import simulate
 
     config = _method_config([run["method"], *QUIET_RUN, *flags])
     preview = build_preview(config, run["ranks"], config.max_num_iterations)
-    costs = costs_from_stats(run["config"].parent / "odin_stats.json", preview.num_views)
-    costs.inline_lane = resolve_lane(config.pipeline.lane, config.machine.device_type) == "inline"
+    costs, _ = replay_costs(config, preview, run["config"].parent / "odin_stats.json")
     return simulate(preview.policy_plans()[run["method"]], costs).wall_s
 
 

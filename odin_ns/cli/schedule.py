@@ -18,7 +18,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from odin_ns.errors import OdinInputError
 from odin_ns.runtime.lane import resolve_lane
@@ -59,6 +59,17 @@ def _method_config(training: List[str]):
     if config.data:
         config.pipeline.datamanager.data = config.data
     return config
+
+
+def replay_costs(config, preview, measured: Optional[Path]) -> Tuple[Costs, str]:
+    """The replay's costs and where they come from: measured in a run's odin_stats.json, else the cost model;
+    throughput-first's lane played where the configuration runs it (`--pipeline.lane`)."""
+    if measured:
+        costs, source = costs_from_stats(measured, preview.num_views), f"costs measured in {measured}"
+    else:
+        costs, source = model_costs(preview.gaussians_read, preview.pixels), "cost model"
+    costs.inline_lane = resolve_lane(config.pipeline.lane, config.machine.device_type) == "inline"
+    return costs, source
 
 
 def _spread(values: Sequence[float]) -> str:
@@ -181,12 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from odin_ns.schedule.preview import build_preview
 
     preview = build_preview(config, args.ranks, args.steps, args.first_step)
-    if args.costs:
-        costs, source = costs_from_stats(args.costs, preview.num_views), f"costs measured in {args.costs}"
-    else:
-        costs, source = model_costs(preview.gaussians_read, preview.pixels), "cost model"
-    # where throughput-first's lane runs: the replay plays it there
-    costs.inline_lane = resolve_lane(config.pipeline.lane, config.machine.device_type) == "inline"
+    costs, source = replay_costs(config, preview, args.costs)
     print(f"odin-schedule: {config.method_name}, {args.ranks} rank(s), steps {args.first_step}-"
           f"{args.first_step + args.steps - 1}, {preview.num_views} training views, "
           f"{len(preview.block_counts)} blocks")
