@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Type, Union
 
 import torch
+import tyro
 
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
@@ -53,6 +54,9 @@ class OdinModelConfig(SplatfactoModelConfig):
     """Splatfacto's configuration; every splatfacto option (`--pipeline.model.*`) keeps its meaning."""
 
     _target: Type = field(default_factory=lambda: OdinModel)
+    views_per_step: tyro.conf.Suppress[int] = 1
+    """Set by the recipe (odin_ns/recipe.py), not a flag: the views a step trains when the step-valued settings
+    above were given in views. Densification's pause after an opacity reset is one epoch of views."""
 
 
 def nearest_distances(points: torch.Tensor, k: int) -> torch.Tensor:
@@ -153,7 +157,7 @@ class OdinModel(SplatfactoModel):
             refine_stop_iter=self.config.stop_split_at,
             reset_every=self.config.reset_alpha_every * self.config.refine_every,
             refine_every=self.config.refine_every,
-            pause_refine_after_reset=self.num_train_data + self.config.refine_every,
+            pause_refine_after_reset=-(-self.num_train_data // self.config.views_per_step) + self.config.refine_every,
             absgrad=self.config.use_absgrad,
             revised_opacity=False,
             verbose=True,

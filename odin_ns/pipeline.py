@@ -18,6 +18,7 @@ from nerfstudio.pipelines.base_pipeline import Pipeline, VanillaPipeline, Vanill
 from odin_ns.datamanager import OdinDataManagerConfig
 from odin_ns.errors import OdinInputError
 from odin_ns.model import OdinModelConfig
+from odin_ns.recipe import RecipeUnits
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.engine import OdinEngine
 from odin_ns.schedule.policies import POLICIES
@@ -43,6 +44,11 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     or runs of Morton order (runs that cross a large octree cell span much of the scene)."""
     micro_batch: int = 1
     """Views per rank per step; the global batch of a step is ranks x micro_batch views."""
+    recipe: RecipeUnits = "views"
+    """What the training's step-valued settings count. views: training views, as splatfacto's one-view steps do;
+    with B = ranks x micro_batch views a step the trainer divides them by B and scales the optimizer by Grendel-GS's
+    sqrt rule (learning rates x sqrt(B), Adam eps / sqrt(B), betas ** B), so one command line trains the same
+    views on any rank count, and a resumed run ends where it would have. steps: nerfstudio's steps, unscaled."""
     dist_timeout_s: float = 120.0
     """Seconds a rank waits on its peers before it gives up (a dead or mismatched rank)."""
     view_order: Literal["odin", "random"] = "odin"

@@ -26,6 +26,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from odin_ns.checkpoint import check_same_scene, load_checkpoint_state, scene_identity, write_full_checkpoint
 from odin_ns.errors import OdinInputError
 from odin_ns.pipeline import OdinPipeline
+from odin_ns.recipe import apply_recipe, recipe_rows
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.stats_file import write_stats
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
@@ -90,6 +91,13 @@ class OdinTrainer(Trainer):
                 torch.cuda.set_device(local_rank)  # collectives of Python objects use the current device
         if env.rank == 0:
             check_viewer_port(config)
+        # the recipe counted in views (odin_ns/recipe.py): the trainer runs a copy in steps of ranks x micro-batch
+        given = config
+        config, self.recipe = apply_recipe(config, world_size if env.distributed else 1)
+        self.recipe_changes = recipe_rows(given, config)
+        self.recipe_length = config.max_num_iterations  # the recipe's last step + 1, resumed or not
+        if env.rank == 0:
+            CONSOLE.print(self.recipe.describe(given.max_num_iterations, config.max_num_iterations), soft_wrap=True)
         super().__init__(config, local_rank, world_size)
         self.env = env
         self.stop_request = StopRequest(env.rank)
@@ -108,10 +116,23 @@ class OdinTrainer(Trainer):
         if self.stop_request.agreed(self.env.distributed, self.engine.device):
             self._say("odin: stopped before the first step (Ctrl+C): nothing trained, no checkpoint written")
             raise SystemExit(EXIT_INTERRUPTED)
+        if self.recipe.units == "views":
+            self._train_to_the_recipes_end()
         self._started = time.perf_counter()
         self.engine.end_step = self._start_step + self.config.max_num_iterations
         self.engine.save_every = self.config.steps_per_save
         super().train()
+
+    def _train_to_the_recipes_end(self) -> None:
+        """A recipe counted in views ends at its last step whether or not the run resumed (nerfstudio's loop trains
+        `max_num_iterations` more steps from wherever it starts; `--pipeline.recipe steps` keeps that)."""
+        left = self.recipe_length - self._start_step
+        if left <= 0:
+            raise OdinInputError(
+                f"the checkpoint resumed from is at step {self._start_step - 1}, and the recipe ends at step "
+                f"{self.recipe_length - 1} ({self.recipe_length} steps of {self.recipe.batch} view(s)): nothing is "
+                "left to train (a larger --max-num-iterations, counted in views, trains on)")
+        self.config.max_num_iterations = left
 
     def _after_train(self) -> None:
         """nerfstudio's end of training, with the collective parts (checkpoint, stats) before rank 0 may block in
@@ -151,7 +172,9 @@ class OdinTrainer(Trainer):
     def write_stats(self):
         """odin_stats.json beside the run's outputs (every rank takes part; rank 0 writes)."""
         meta = {"method": self.config.method_name, "policy": self.config.pipeline.policy,
-                "micro_batch": self.config.pipeline.micro_batch, "block_size": self.config.pipeline.block_size}
+                "micro_batch": self.config.pipeline.micro_batch, "block_size": self.config.pipeline.block_size,
+                "recipe": {"units": self.recipe.units, "views_per_step": self.recipe.batch,
+                           "changed": [list(r) for r in self.recipe_changes]}}
         wall = time.perf_counter() - getattr(self, "_started", time.perf_counter())
         self.engine.dump_program(self.base_dir)
         return write_stats(self.engine.log, self.env.world_size, wall, self.base_dir, meta)
