@@ -1,6 +1,6 @@
 """`make demo`'s steps at a small size (the same code path: 2 real ranks of `odin`, nerfstudio's evaluation, the
 three policies side by side in two rounds): the pictures exist, the table has the three policies, the commands are
-printed."""
+printed, and the model learned what its schedule reaches."""
 
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from conftest import TINY_CITY, script
 
 def test_demo_trains_two_ranks_and_shows_the_result(tmp_path):
     out = tmp_path / "outputs"
-    proc = subprocess.run([script("odin-demo"), "--max-num-iterations", "30", "--compare-steps", "8",
+    # 60 views: the recipe counts views, 30 steps of 2
+    proc = subprocess.run([script("odin-demo"), "--max-num-iterations", "60", "--compare-steps", "8",
                            "--output-dir", str(out), *TINY_CITY], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (metrics_file,) = out.glob("odin-demo/odin/*/demo_metrics.json")
     run = metrics_file.parent
     summary = json.loads(metrics_file.read_text())
-    assert summary["ranks"] == 2 and summary["metrics"]["step"] == 29 and summary["metrics"]["psnr"] > 5
+    assert summary["ranks"] == 2 and summary["metrics"]["step"] == 29
+    # what this schedule reaches on the tiny city's held-out view: 14.02 dB with seed 42 (7: 14.05, 11: 14.11), the
+    # seed spread (0.09 dB) as the margin; the untrained model scores 13.87 dB there
+    assert summary["metrics"]["psnr"] > 14.02 - 0.09, summary["metrics"]
     assert [r["label"] for r in summary["comparison"]["runs"]] == ["barrier", "odin", "odin-throughput"]
     # two rounds in alternating order, each policy's taken together: its wall is the rounds' walls summed
     for r in summary["comparison"]["runs"]:

@@ -3,6 +3,7 @@
     odin-bench render                                        # CPU rasterizer forward+backward
     odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--json FILE]   # the runtime's cost
     odin-bench predict [--ranks 8,16] [--scenes ...] [--link pcie|nvlink|infiniband|loopback]   # a GPU cluster
+    odin-bench scaling --ranks 2 --scene city|fox [--views 1500] [--seeds 42,7,11] [--json FILE]   # time to quality
     odin-bench train --ranks 2 --scene city|city-aerial|fox [--steps K] [--repeat N] [--json FILE] [--out DIR]
                      [--keep-runs] [--thread-lane]
 
@@ -26,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -62,25 +64,34 @@ def run_training(ranks: int, method: str, args: List[str], out: Path, label: str
     `compare` and the pictures need to know of it (label, method, policy, schedule: the view order, ranks)."""
     cmd = [sys.executable, "-m", "odin_ns.cli.train", "--ranks", str(ranks), method, "--output-dir", str(out),
            *QUIET_RUN, *args]
+    started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    process_wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"odin-bench: the {ranks}-rank {method} run failed")
     stats_path = next(out.glob("**/odin_stats.json"))
     stats = json.loads(stats_path.read_text())
     return {"summary": stats["summary"], "records": stats["steps"], "config": stats_path.parent / "config.yml",
-            "label": label, "method": method, "policy": POLICY[method], "schedule": schedule, "ranks": ranks}
+            "label": label, "method": method, "policy": POLICY[method], "schedule": schedule, "ranks": ranks,
+            "process_wall_s": process_wall}
 
 
-def held_out_psnr(config: Path) -> Optional[float]:
-    """nerfstudio's own `ns-eval` on the run's final checkpoint (held-out views)."""
+def held_out_metrics(config: Path) -> Optional[Dict[str, float]]:
+    """nerfstudio's own `ns-eval` on the run's final checkpoint: its averages over every held-out view (psnr, ssim,
+    lpips where its weights are on disk, ...)."""
     out = config.parent / "eval.json"
     proc = subprocess.run([str(Path(sys.executable).with_name("ns-eval")), "--load-config", str(config),
                            "--output-path", str(out)], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-2000:])
         return None
-    return float(json.loads(out.read_text())["results"]["psnr"])
+    return {k: float(v) for k, v in json.loads(out.read_text())["results"].items()}
+
+
+def held_out_psnr(config: Path) -> Optional[float]:
+    metrics = held_out_metrics(config)
+    return None if metrics is None else metrics["psnr"]
 
 
 def scene_args(scene: str, data: Optional[Path]) -> List[str]:
@@ -200,8 +211,10 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
     from odin_ns.schedule.preview import build_preview
     from odin_ns.schedule.simulate import simulate
 
+    from odin_ns.recipe import apply_recipe
+
     config = _method_config([run["method"], *QUIET_RUN, *flags])
-    preview = build_preview(config, run["ranks"], config.max_num_iterations)
+    preview = build_preview(config, run["ranks"], apply_recipe(config, run["ranks"])[0].max_num_iterations)
     costs, _ = replay_costs(config, preview, run["config"].parent / "odin_stats.json")
     return simulate(preview.policy_plans()[run["method"]], costs).wall_s
 
@@ -265,7 +278,7 @@ def train_main(argv: List[str]) -> int:
         raise SystemExit("odin: error: --ranks must be at least 2 to compare synchronization policies")
     scene = scene_args(args.scene, args.data)
     extra = [a for a in args.extra if a != "--"]
-    base = ["--max-num-iterations", str(args.steps)]
+    base = ["--max-num-iterations", str(args.steps), "--pipeline.recipe", "steps"]  # --steps counts steps
     out_dir = args.out or Path(f"odin-bench-{args.scene}")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.repeat < 1:
@@ -308,9 +321,13 @@ def train_main(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("render", "train", "scale", "predict"):
+    if not argv or argv[0] not in ("render", "train", "scale", "predict", "scaling"):
         print(__doc__)
         return 2
+    if argv[0] == "scaling":
+        from odin_ns.cli.bench_scaling import main as scaling_main
+
+        return scaling_main(argv[1:])
     if argv[0] == "scale":
         from odin_ns.cli.bench_scale import main as scale_main
 
