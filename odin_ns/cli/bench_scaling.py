@@ -1,7 +1,7 @@
 """`odin-bench scaling`: the same model sooner? Time to quality on N ranks against one.
 
     odin-bench scaling --ranks 2 --scene city|fox [--views 1500] [--seeds 42,7,11] [--repeat R] [--json F]
-                       [--methods odin,odin-throughput] [-- ns-train arguments]
+                       [--methods odin,odin-throughput] [--micro-batches 1,2] [-- ns-train arguments]
 
 For each seed, one after the other in one invocation, on the same scene and number of training views (the recipe
 counts views, odin_ns/recipe.py), each trained from the same seed:
@@ -9,7 +9,7 @@ counts views, odin_ns/recipe.py), each trained from the same seed:
 - 1 process with a micro-batch of N views: the same optimization as N ranks (the same recipe at B = N, the same
   result bit for bit for `odin` and `odin-barrier`): its gap to the N-rank runs is what the runtime and the waits
   cost, its gap to 1 rank what the batch does to the optimization;
-- N ranks of each method asked for.
+- N ranks of each method asked for, and of the first with each micro-batch of `--micro-batches` above 1.
 Every run gets one thread (OMP_NUM_THREADS=1 for every rank and for the one-process runs, the analogue of one GPU per
 rank: N ranks use N cores). Quality is nerfstudio's own evaluation (`ns-eval`: PSNR, SSIM over every held-out view);
 time is the training loop's wall (odin_stats.json, from the first step to the last, without start-up and the final
@@ -49,11 +49,15 @@ def final_gaussians(config: Path) -> Optional[int]:
     return int(state["pipeline"]["_model.gauss_params.means"].shape[0])
 
 
-def runs_of(ranks: int, methods: List[str]) -> List[Dict]:
-    """One seed's runs: the reference, the same batch in one process, and N ranks of each method."""
-    return ([{"label": "1 rank", "ranks": 1, "method": "odin", "micro_batch": 1},
-             {"label": f"1 process, micro-batch {ranks}", "ranks": 1, "method": "odin", "micro_batch": ranks}]
-            + [{"label": f"{ranks} ranks, {m}", "ranks": ranks, "method": m, "micro_batch": 1} for m in methods])
+def runs_of(ranks: int, methods: List[str], micro_batches: List[int]) -> List[Dict]:
+    """One seed's runs: the reference, the same batch in one process, N ranks of each method, and N ranks with each
+    larger micro-batch of the first method (a larger global batch: what it does to quality)."""
+    runs = [{"label": "1 rank", "ranks": 1, "method": "odin", "micro_batch": 1},
+            {"label": f"1 process, micro-batch {ranks}", "ranks": 1, "method": "odin", "micro_batch": ranks}]
+    runs += [{"label": f"{ranks} ranks, {m}", "ranks": ranks, "method": m, "micro_batch": 1} for m in methods]
+    runs += [{"label": f"{ranks} ranks x micro-batch {mb}, {methods[0]}", "ranks": ranks, "method": methods[0],
+              "micro_batch": mb} for mb in micro_batches if mb > 1]
+    return runs
 
 
 def scene_flags(scene: str, data: Optional[Path], views: int) -> List[str]:
@@ -123,6 +127,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--seeds", default="42", help="comma-separated seeds (--machine.seed); the mean is reported")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every run (alternating order); median wall")
     ap.add_argument("--methods", default="odin,odin-throughput", help="the N-rank runs")
+    ap.add_argument("--micro-batches", default="1",
+                    help="comma list: N-rank runs of the first method with each micro-batch above 1 too (B = N x it)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--keep-runs", type=Path, default=None, help="keep every run's outputs in this folder")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
@@ -134,9 +140,10 @@ def main(argv: List[str]) -> int:
     except ValueError:
         raise SystemExit(f"odin: error: --seeds takes comma-separated integers (got {args.seeds!r})") from None
     methods = [m for m in args.methods.split(",") if m]
+    micro_batches = [int(m) for m in args.micro_batches.split(",") if m]
     scene = scene_flags(args.scene, args.data, args.views)
     extra = [a for a in args.extra if a != "--"]
-    plan = runs_of(args.ranks, methods)
+    plan = runs_of(args.ranks, methods, micro_batches)
     tries: Dict[str, Dict[int, List[Dict]]] = {p["label"]: {s: [] for s in seeds} for p in plan}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep_runs or Path(tmp)
