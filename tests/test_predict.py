@@ -96,3 +96,40 @@ def test_an_unknown_scene_or_link_is_one_line():
                               text=True)
         assert proc.returncode != 0 and words in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_the_splat_data_path_prices_one_splat_per_view_and_gaussian_seen():
+    """Rows: a gradient message carries each remote row a rank's views see once (62 floats), a publication the rows
+    the update touched (59). Splats: per (view, Gaussian) pair, 12 numbers out and 9 back, every step."""
+    import torch
+
+    from odin_ns.schedule.actions import parse_action
+    from odin_ns.schedule.gpu_costs import (GPUS, GRAD_BYTES, PARAM_BYTES, SPLAT_BYTES, SPLAT_GRAD_BYTES,
+                                            gpu_costs)
+    from odin_ns.schedule.links import link
+
+    plan = _jitter_plan(staleness=0)  # 2 ranks, 4 blocks (0, 1 of rank 0; 2, 3 of rank 1), every view reads all
+    views = 2 * len(plan.views)
+    visible = torch.zeros(views, 4)
+    visible[:, 2] = 0.5  # every view sees half of block 2's rows, a quarter of block 3's, all of rank 0's
+    visible[:, 3] = 0.25
+    visible[:, :2] = 1.0
+    counts = [100, 100, 40, 80]
+
+    def priced(path):
+        costs = gpu_costs([plan], [1.0] * views, [1.0] * views, counts, 1.0, GPUS["h200"], link("pcie"), visible,
+                          data_path=path)
+        return (costs.message_bytes(0, parse_action("G b2,b3->r1", 4)),
+                costs.message_bytes(1, parse_action("P b2,b3->r0", 4)))
+
+    assert SPLAT_BYTES <= 48 and SPLAT_GRAD_BYTES <= 48  # the targets per pair, each way
+    seen = 0.5 * 40 + 0.25 * 80  # rows of rank 1's blocks that rank 0's one view of a step sees
+    grad, pub = priced("rows")
+    assert grad == pytest.approx(seen * GRAD_BYTES)
+    # block 2 and 3 rows the update of step 4 touched: those any view of the step (2 views) sees
+    assert pub == pytest.approx((40 * (1 - 0.5 ** 2) + 80 * (1 - 0.75 ** 2)) * PARAM_BYTES)
+    grad, pub = priced("splats")
+    assert grad == pytest.approx(seen * SPLAT_GRAD_BYTES)
+    assert pub == pytest.approx(seen * SPLAT_BYTES)  # rank 0's view of step 5 sees the same share
+    with pytest.raises(ValueError, match="unknown data path"):
+        priced("photons")

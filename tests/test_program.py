@@ -6,6 +6,8 @@ posted, in order (`runtime.transport.Channels`). For each policy's run on the sh
 - the sends are the lists' G and P actions, in list order;
 - exact policies: the receives are, in list order, one publication of update t-1 per W of step t and one gradient
   message per reader of the step at each U (the readers: the ranks whose lists send G to this rank);
+- throughput-first: its lane receives as the evidence decides, but exactly the lists' messages: from each owner the
+  publications the owner's lists address to the rank, in order, and at each U the gradients of that step's readers;
 - every pair of ranks: the messages one rank sent the other, in order, are the messages the other received from it,
   in order (NCCL matches by order on a pair, never by tag; throughput-first's receives follow the evidence, but
   never reorder a pair).
@@ -51,9 +53,24 @@ def test_the_messages_of_a_run_are_its_action_lists(runs, method):
         sends = [m for m in messages if m[3] == "send"]
         expected = [(a.kind, a.step, a.peer, "send") for phase in phases[rank] for a in phase if a.kind in "GP"]
         assert sends == expected, f"rank {rank}: the sends are not the lists' G and P actions"
-        if method == "odin-throughput":
-            continue
         other = 1 - rank
+        if method == "odin-throughput":
+            # the lane receives as the evidence decides, but never other messages than the lists': from each owner
+            # exactly the publications its lists address to this rank, in their order, and at each U one gradient
+            # message of the step from every rank whose lists send G to this one, in list order
+            publications = [("P", a.step, a.peer, "recv") for phase in phases[other] for a in phase
+                            if a.kind == "P" and a.peer == rank]
+            assert [m for m in messages if m[3] == "recv" and m[0] == "P"] == \
+                [(k, t, other, d) for k, t, _, d in publications], f"rank {rank}: publications received"
+            gradients = []
+            for p, phase in enumerate(phases[rank]):
+                for a in phase:
+                    if a.kind == "U" and any(b.kind == "G" and b.step == a.step and b.peer == rank
+                                             for b in phases[other][p]):
+                        gradients.append(("G", a.step, other, "recv"))
+            assert [m for m in messages if m[3] == "recv" and m[0] == "G"] == gradients, \
+                f"rank {rank}: gradients received"
+            continue
         wanted = []
         for p, phase in enumerate(phases[rank]):
             for a in phase:

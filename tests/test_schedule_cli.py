@@ -157,7 +157,7 @@ def test_replay_keeps_the_measured_steps_where_the_views_match(tmp_path):
 
     def plan(views):
         return PhasePlan(start=0, stop=2, num_ranks=2, owner=[0, 1], views=views,
-                         reads=[[[[0, 1]], [[0, 1]]]] * 2, barrier=True)
+                         reads=[[[[0, 1]], [[0, 1]]]] * 2, policy_name="barrier")
 
     measured = simulate([plan([[[0], [1]], [[0], [1]]])], costs)
     assert measured.wall_s == pytest.approx(2.0) and measured.busy_s == pytest.approx([1.1, 1.1])

@@ -20,7 +20,7 @@ def small_plan(barrier=False) -> PhasePlan:
     # 4 blocks: 0, 1 owned by rank 0; 2, 3 by rank 1. Step 10: rank 0 reads {0}, rank 1 reads {1, 3};
     # step 11: rank 0 reads {0, 2}, rank 1 reads {3}.
     return PhasePlan(start=10, stop=12, num_ranks=2, owner=[0, 0, 1, 1], views=[[[5], [7]], [[6], [4]]],
-                     reads=[[[[0]], [[1, 3]]], [[[0, 2]], [[3]]]], barrier=barrier)
+                     reads=[[[[0]], [[1, 3]]], [[[0, 2]], [[3]]]], policy_name="barrier" if barrier else "quality")
 
 
 def test_dependencies_follow_the_read_sets():
@@ -204,7 +204,8 @@ def _jitter_plan(staleness=0, barrier=False, admit_overlap=1.0) -> PhasePlan:
     """2 ranks that read every block at every step; rank 0's view is the slow one at even steps, rank 1's at odd."""
     n = 10
     return PhasePlan(start=0, stop=n, num_ranks=2, owner=[0, 0, 1, 1], views=[[[2 * i], [2 * i + 1]] for i in range(n)],
-                     reads=[[[[0, 1, 2, 3]], [[0, 1, 2, 3]]] for _ in range(n)], barrier=barrier,
+                     reads=[[[[0, 1, 2, 3]], [[0, 1, 2, 3]]] for _ in range(n)],
+                     policy_name="barrier" if barrier else "throughput" if staleness else "quality",
                      staleness=staleness, admit_overlap=admit_overlap)
 
 

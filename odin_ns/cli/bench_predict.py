@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from odin_ns.cli.bench import DEFAULT_FOX, SCENES
-from odin_ns.schedule.gpu_costs import GPUS, describe, gpu_costs
+from odin_ns.schedule.gpu_costs import DATA_PATHS, GPUS, describe, gpu_costs
 from odin_ns.schedule.links import LINKS, link as link_named
 from odin_ns.schedule.policies import POLICIES
 
@@ -79,21 +79,22 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
 
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
-                  gaussians: Optional[float] = None, micro_batch: int = 1) -> Dict:
+                  gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "rows") -> Dict:
     from odin_ns.cli.schedule import predictions
 
     preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
     target = gaussians or SCENE_SIZE[scene][0]
     scale = target / max(sum(preview.block_counts), 1)
     costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
-                      GPUS[gpu], link_named(link), preview.visible)
+                      GPUS[gpu], link_named(link), preview.visible, data_path)
     pred = predictions(preview.policy_plans(), costs)
     views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
         p["ideal_speedup"] = pred[BARRIER]["wall_s"] / p["ideal_s"]
     return {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
-            "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "policies": pred}
+            "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "data_path": data_path,
+            "policies": pred}
 
 
 # Grendel-GS's README: "more than 3.5x" faster training on Mip-NeRF 360 with 4 GPUs (batch 4, sqrt learning rates)
@@ -114,8 +115,9 @@ def add_time_to_views(rows: List[Dict], views: int) -> None:
 
 def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> None:
     mb = rows[0]["micro_batch"] if rows else 1
-    table = Table(title=f"predicted: {gpu} GPUs, {link} link, {mb} view(s) per rank per step; views/s and "
-                        "against odin-barrier")
+    path = rows[0].get("data_path", "rows") if rows else "rows"
+    table = Table(title=f"predicted: {gpu} GPUs, {link} link, {mb} view(s) per rank per step, messages of {path}; "
+                        "views/s and against odin-barrier")
     for col in ("ranks", "scene", "Gaussians", "blocks", "policy", "views/s", "speed-up", "ideal", "wait hidden",
                 f"{views} views in", "vs 1 GPU"):
         table.add_column(col, justify="right")
@@ -182,6 +184,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--gaussians", type=float, default=None, help="Gaussians every scene stands for")
     ap.add_argument("--micro-batch", type=int, default=2,
                     help="views per rank per step (default 2, as the paper's test bed)")
+    ap.add_argument("--data-path", default="rows", choices=DATA_PATHS,
+                    help="what the messages carry: rows (what the runtime moves today: parameter rows out, gradient "
+                         "rows back) or splats (projected splats per view and Gaussian, as gsplat's distributed "
+                         "mode: priced only, the runtime does not move them yet)")
     ap.add_argument("--views", type=int, default=30000,
                     help="training views the time column counts (default splatfacto's 30000); with 1 among --ranks "
                          "every rank count is also compared with one GPU")
@@ -199,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for s in scenes:
             print(f"odin-bench predict: {s}, {r} ranks, {args.steps} steps", flush=True)
             rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians,
-                                      args.micro_batch))
+                                      args.micro_batch, args.data_path))
     add_time_to_views(rows, args.views)
     print_rows(rows, args.gpu, args.link, args.views)
     args.out.mkdir(parents=True, exist_ok=True)

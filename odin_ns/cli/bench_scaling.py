@@ -34,6 +34,7 @@ from rich.table import Table
 from odin_ns.cli.bench import held_out_metrics, run_training, scene_args
 from odin_ns.cli.demo import short_schedule
 
+RUN_FILE = "bench_run.json"  # what a kept run was: label, seed, round, metrics (`--summarize` reads them)
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 CITY_CAPTURE = ["--num-street-cameras", "100"]  # the demo's capture (every held-out view has close neighbours)
 
@@ -69,12 +70,28 @@ def scene_flags(scene: str, data: Optional[Path], views: int) -> List[str]:
     return flags + args
 
 
+def median_round(tries: List[Dict]) -> Dict:
+    """The round with the median training wall (the lower middle one of an even count)."""
+    return sorted(tries, key=lambda t: t["summary"]["train_wall_s"])[(len(tries) - 1) // 2]
+
+
+def render_seconds(run: Dict) -> float:
+    """Seconds every rank spent rendering (forward, loss, backward), together."""
+    return sum(p["render_s"] for p in run["summary"]["per_rank"])
+
+
 def summarize(label: str, tries: Dict[int, List[Dict]], reference: Dict[int, List[Dict]]) -> Dict:
     """One row: per seed the median wall of its rounds, then means over seeds; speed-up and PSNR difference
     against the 1-rank run of the same seed."""
     seeds = sorted(tries)
-    wall = {s: statistics.median(t["summary"]["train_wall_s"] for t in tries[s]) for s in seeds}
-    ref_wall = {s: statistics.median(t["summary"]["train_wall_s"] for t in reference[s]) for s in seeds}
+    median = {s: median_round(tries[s]) for s in seeds}
+    ref = {s: median_round(reference[s]) for s in seeds}
+    wall = {s: median[s]["summary"]["train_wall_s"] for s in seeds}
+    ref_wall = {s: ref[s]["summary"]["train_wall_s"] for s in seeds}
+    # at equal render speed: the run's wall had its ranks rendered as fast as the reference did (the same views of a
+    # model of about the same size: the same render work): its wall times the reference's render seconds over the
+    # ranks' together. Everything else (updates, bookkeeping, waits) is scaled alike, none of it forgiven
+    equal_speed = {s: wall[s] * render_seconds(ref[s]) / render_seconds(median[s]) for s in seeds}
     first = {s: tries[s][0] for s in seeds}
     psnr = [first[s]["metrics"]["psnr"] for s in seeds if first[s].get("metrics")]
     ssim = [first[s]["metrics"]["ssim"] for s in seeds if first[s].get("metrics")]
@@ -87,9 +104,13 @@ def summarize(label: str, tries: Dict[int, List[Dict]], reference: Dict[int, Lis
         "views": first[seeds[0]]["summary"]["views"],
         "steps": first[seeds[0]]["summary"]["steps"],
         "train_wall_s": mean(wall.values()), "train_wall_s_per_seed": [wall[s] for s in seeds],
-        "process_wall_s": mean(statistics.median(t["process_wall_s"] for t in tries[s]) for s in seeds),
+        "process_wall_s": (mean(median[s]["process_wall_s"] for s in seeds)
+                           if all(median[s].get("process_wall_s") for s in seeds) else None),
         "speedup": mean(ref_wall[s] / wall[s] for s in seeds),
         "speedup_per_seed": [ref_wall[s] / wall[s] for s in seeds],
+        "speedup_equal_speed": mean(ref_wall[s] / equal_speed[s] for s in seeds),
+        "speedup_equal_speed_per_seed": [ref_wall[s] / equal_speed[s] for s in seeds],
+        "render_s_per_seed": [render_seconds(median[s]) for s in seeds],
         "psnr": mean(psnr) if psnr else None, "psnr_per_seed": psnr,
         "ssim": mean(ssim) if ssim else None,
         "psnr_delta": mean(psnr) - mean(ref_psnr) if psnr and ref_psnr else None,
@@ -100,21 +121,25 @@ def summarize(label: str, tries: Dict[int, List[Dict]], reference: Dict[int, Lis
 
 def print_rows(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
-    for col in ("run", "steps", "training wall (s)", "speed-up in time to quality", "PSNR (dB)", "vs 1 rank",
+    for col in ("run", "steps", "training wall (s)", "speed-up in time to quality", "at equal render speed", "PSNR (dB)",
+                "vs 1 rank",
                 "SSIM", "Gaussians (vs 1 rank)", "whole process (s)"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["label"], str(r["steps"]), f"{r['train_wall_s']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['speedup_equal_speed']:.2f}x",
                       "-" if r["psnr"] is None else f"{r['psnr']:.2f}",
                       "-" if r["psnr_delta"] is None else f"{r['psnr_delta']:+.2f}",
                       "-" if r["ssim"] is None else f"{r['ssim']:.3f}",
                       "-" if r["gaussians"] is None else f"{r['gaussians']:.0f} ({r['gaussians_ratio']:.2f}x)",
-                      f"{r['process_wall_s']:.1f}")
-    Console(width=160).print(table)
+                      "-" if r["process_wall_s"] is None else f"{r['process_wall_s']:.1f}")
+    Console(width=200).print(table)
     print("Every run trains the same views with the recipe counted in views (on B views a step every interval / B, "
           "Grendel-GS's sqrt rule for the optimizer), one thread per rank. Speed-up: the 1-rank run's training wall "
-          "over the run's, seed by seed, then the mean; PSNR and SSIM: nerfstudio's evaluation of every held-out "
-          "view, the mean over seeds.")
+          "over the run's, seed by seed, then the mean; at equal render speed: the same with the run's wall scaled by "
+          "the reference's render seconds over the ranks' together (the same render work): a shared machine's "
+          "speed drifts between runs, and ranks that share its cores slow each other, which one GPU per rank does "
+          "not. PSNR and SSIM: nerfstudio's evaluation of every held-out view, the mean over seeds.")
 
 
 def main(argv: List[str]) -> int:
@@ -131,8 +156,12 @@ def main(argv: List[str]) -> int:
                     help="comma list: N-rank runs of the first method with each micro-batch above 1 too (B = N x it)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--keep-runs", type=Path, default=None, help="keep every run's outputs in this folder")
+    ap.add_argument("--summarize", type=Path, default=None,
+                    help="train nothing: the table of the runs an earlier invocation kept in this folder")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
+    if args.summarize is not None:
+        return summarize_kept(args.summarize, args.json)
     if args.ranks < 2 or args.repeat < 1 or args.views < 1:
         raise SystemExit("odin: error: --ranks must be at least 2, --repeat and --views at least 1")
     try:
@@ -162,13 +191,47 @@ def main(argv: List[str]) -> int:
                         run["gaussians"] = final_gaussians(run["config"])
                     run.pop("records")
                     tries[p["label"]][seed].append(run)
-    reference = tries[plan[0]["label"]]
-    rows = [summarize(p["label"], tries[p["label"]], reference) for p in plan]
-    title = (f"time to quality: {args.scene}, {args.views} views, {args.ranks} ranks against 1, seeds "
-             f"{','.join(map(str, seeds))}")
-    print_rows(rows, title)
-    if args.json:
-        args.json.write_text(json.dumps({"scene": args.scene, "views": args.views, "ranks": args.ranks,
-                                         "seeds": seeds, "repeat": args.repeat, "extra": extra, "rows": rows},
-                                        indent=2))
+                    (out / RUN_FILE).write_text(json.dumps(
+                        {"order": plan.index(p), "label": p["label"], "seed": seed, "round": rep, "ranks": p["ranks"],
+                         "method": p["method"], "micro_batch": p["micro_batch"], "scene": args.scene,
+                         "views": args.views, "process_wall_s": run["process_wall_s"],
+                         "metrics": run.get("metrics"), "gaussians": run.get("gaussians")}))
+    report(tries, [p["label"] for p in plan], args.scene, args.views, args.ranks, seeds, args.json,
+           {"repeat": args.repeat, "extra": extra})
+    return 0
+
+
+def report(tries: Dict[str, Dict[int, List[Dict]]], labels: List[str], scene: str, views: int, ranks: int,
+           seeds: List[int], json_path: Optional[Path], more: Dict) -> List[Dict]:
+    """The table (and the JSON) of an invocation's runs; the first label is the reference."""
+    reference = tries[labels[0]]
+    rows = [summarize(label, tries[label], reference) for label in labels]
+    print_rows(rows, f"time to quality: {scene}, {views} views, {ranks} ranks against 1, seeds "
+                     f"{','.join(map(str, seeds))}")
+    if json_path:
+        json_path.write_text(json.dumps({"scene": scene, "views": views, "ranks": ranks, "seeds": seeds, **more,
+                                         "rows": rows}, indent=2))
+    return rows
+
+
+def summarize_kept(folder: Path, json_path: Optional[Path]) -> int:
+    """`--summarize DIR`: the table of the runs an earlier invocation kept there (`--keep-runs DIR`)."""
+    found = sorted(folder.glob(f"*/{RUN_FILE}"))
+    if not found:
+        raise SystemExit(f"odin: error: no kept runs under {folder} (an invocation with --keep-runs {folder} keeps "
+                         "them)")
+    tries: Dict[str, Dict[int, List[Dict]]] = {}
+    order: Dict[str, int] = {}
+    for path in found:
+        meta = json.loads(path.read_text())
+        stats = json.loads(next(path.parent.glob("**/odin_stats.json")).read_text())
+        run = dict(meta, summary=stats["summary"])
+        tries.setdefault(meta["label"], {}).setdefault(meta["seed"], []).append(run)
+        order[meta["label"]] = meta["order"]
+    labels = sorted(tries, key=order.get)
+    seeds = sorted({s for per_seed in tries.values() for s in per_seed})
+    first = json.loads(found[0].read_text())
+    report(tries, labels, first["scene"], first["views"], max(r["ranks"] for t in tries.values()
+                                                                  for runs in t.values() for r in runs),
+           seeds, json_path, {"kept": str(folder)})
     return 0

@@ -326,7 +326,8 @@ class OdinEngine(PhaseBoundary):
                 per_step.append(per_rank)
             reads.append(per_step)
         plan = PhasePlan(start=start, stop=stop, num_ranks=R, owner=table.owner.tolist(), views=views, reads=reads,
-                         barrier=self.policy.barrier, motion=motion, growth=growth, staleness=self.staleness,
+                         policy_name=self.policy.program_at(self.staleness).name, motion=motion, growth=growth,
+                         staleness=self.staleness,
                          admit_overlap=self.admit_overlap, counts=table.count.tolist())
         plan.read_mask = read_mask
         return plan

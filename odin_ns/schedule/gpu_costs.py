@@ -33,6 +33,12 @@ from odin_ns.schedule.simulate import Costs
 
 PARAM_BYTES = 4 * 59  # a publication's row: the six parameters at SH degree 3, float32
 GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the densification statistics
+# the splat data path (DESIGN.md "The data path: splats, not rows"; gsplat's rasterization(distributed=True)): per
+# (view, Gaussian) pair the owner sends the projected splat (2-D mean, depth, conic, opacity, RGB colour, radius, id)
+# and gets back the gradients of what the rasterizer differentiates (2-D mean, conic, opacity, colour)
+SPLAT_BYTES = 4 * (2 + 1 + 3 + 1 + 3 + 1 + 1)
+SPLAT_GRAD_BYTES = 4 * (2 + 3 + 1 + 3)
+DATA_PATHS = ("rows", "splats")
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,20 @@ GPUS: Dict[str, GpuModel] = {m.name: m for m in (
 
 def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
               counts: Sequence[int], scale: float, gpu: GpuModel, link: Link,
-              visible: Optional[torch.Tensor] = None) -> Costs:
+              visible: Optional[torch.Tensor] = None, data_path: str = "rows") -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
     plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
     rows of the owner's blocks its views see, a publication the rows of the blocks the update touched (some view
     of the step sees them), from `visible` (share of a block's rows in a view); without it, whole blocks (a
-    bound). The update's rows are the same touched rows."""
+    bound). The update's rows are the same touched rows.
+
+    data_path "splats" prices the messages of the splat data path instead (what the runtime moves today is rows):
+    an owner's publication of update u to a reader carries one splat per (view, Gaussian) pair of the reader's views
+    at step u+1 that see the owner's blocks, every step (splats are per view: nothing stays at the reader), and a
+    gradient message one splat gradient per pair; the renders' and updates' costs are the same (the projection moves
+    from the reader to the owner, the total does not change)."""
+    if data_path not in DATA_PATHS:
+        raise ValueError(f"unknown data path {data_path!r} (choose from {', '.join(DATA_PATHS)})")
     count = torch.as_tensor(counts, dtype=torch.float64)
     share = visible.double() if visible is not None else None
     touched_rows: Dict[int, torch.Tensor] = {}  # step -> [blocks] rows some view of the step sees
@@ -71,9 +85,18 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     render = [gpu.render_fixed_s + gpu.render_per_gaussian_s * scale * g + gpu.render_per_pixel_s * p
               for g, p in zip(gaussians_read, pixels)]
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
+    owner_at: Dict[int, torch.Tensor] = {}  # step -> [blocks] owning rank (the splat path's publications)
+    reads_at: Dict[Tuple[int, int], torch.Tensor] = {}  # (step, rank) -> [blocks] how many of its views read it
     for plan in plans:
         owner = torch.as_tensor(plan.owner)
         for step in range(plan.start, plan.stop):
+            owner_at[step] = owner
+            if share is None and data_path == "splats":
+                for r in range(plan.num_ranks):
+                    n = torch.zeros(len(counts), dtype=torch.float64)
+                    for blocks in plan.view_reads(step, r):
+                        n[list(blocks)] += 1
+                    reads_at[(step, r)] = n
             mask = torch.zeros(len(counts), dtype=torch.float64)
             mask[list(plan.touched(step))] = 1.0
             if share is None:
@@ -82,7 +105,8 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                 views = [v for r in range(plan.num_ranks) for v in plan.rank_views(step, r)]
                 touched_rows[step] = count * mask * (1 - torch.prod(1 - share[views], dim=0))
                 for r in range(plan.num_ranks):
-                    seen_rows[(step, r)] = count * share[list(plan.rank_views(step, r))].sum(dim=0).clamp_max(1)
+                    pairs = count * share[list(plan.rank_views(step, r))].sum(dim=0)  # (view, Gaussian) pairs
+                    seen_rows[(step, r)] = pairs if data_path == "splats" else pairs.clamp(max=count)
             for r in range(plan.num_ranks):
                 views = tuple(plan.rank_views(step, r))
                 rows = scale * float(touched_rows[step][owner == r].sum())
@@ -92,8 +116,20 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     def message_bytes(sender: int, a: Action) -> float:
         blocks = list(a.blocks)
         if a.kind == "G":
-            rows = seen_rows[(a.step, sender)][blocks] if share is not None else count[blocks]
-            return scale * float(rows.sum()) * GRAD_BYTES
+            if share is not None:
+                rows = seen_rows[(a.step, sender)][blocks]
+            else:
+                rows = (count * reads_at[(a.step, sender)])[blocks] if data_path == "splats" else count[blocks]
+            return scale * float(rows.sum()) * (SPLAT_GRAD_BYTES if data_path == "splats" else GRAD_BYTES)
+        if data_path == "splats":  # the splats of the reader's next views that see the owner's blocks
+            step = a.step + 1
+            if step not in owner_at:
+                return 0.0
+            if share is not None:
+                seen = seen_rows[(step, a.peer)]
+            else:  # every Gaussian of a block its views read, in each of them (a bound)
+                seen = count * reads_at[(step, a.peer)]
+            return scale * float(seen[owner_at[step] == sender].sum()) * SPLAT_BYTES
         rows = touched_rows[a.step][blocks] if a.step in touched_rows else count[blocks]  # phase start: whole
         return scale * float(rows.sum()) * PARAM_BYTES
 

@@ -48,7 +48,7 @@ class PhasePlan:
     owner: List[int]
     views: List[List[List[int]]]
     reads: List[List[List[List[int]]]]
-    barrier: bool = False
+    policy_name: str = "quality"  # the registry entry (schedule.policies) whose generator makes the lists
     motion: List[float] = field(default_factory=list)  # per step: bound on how far a mean moved since the start
     growth: List[float] = field(default_factory=list)  # per step: bound on how much a log-scale grew since then
     staleness: int = 0  # most versions a read may be behind (0: every read sees the newest, the exact policies)
@@ -217,10 +217,14 @@ class PhasePlan:
 
     @property
     def policy(self):
-        """The registry entry whose program these lists are (from the plan's own flags)."""
+        """The registry entry whose program these lists are: the plan carries it."""
         from odin_ns.schedule.policies import POLICIES
 
-        return POLICIES["barrier" if self.barrier else "throughput" if self.staleness else "quality"]
+        return POLICIES[self.policy_name]
+
+    @property
+    def barrier(self) -> bool:
+        return self.policy.barrier
 
     def actions(self, rank: int) -> List[Action]:
         """The rank's whole phase as a list of actions, in the order the runtime runs them: the policy's
@@ -245,14 +249,16 @@ class PhasePlan:
 
     def to_dict(self) -> Dict:
         return {"start": self.start, "stop": self.stop, "num_ranks": self.num_ranks, "owner": list(self.owner),
-                "views": self.views, "reads": self.reads, "barrier": self.barrier,
+                "views": self.views, "reads": self.reads, "policy": self.policy_name,
                 "motion": list(self.motion), "growth": list(self.growth), "staleness": self.staleness,
                 "admit_overlap": self.admit_overlap, "counts": list(self.counts)}
 
     @classmethod
     def from_dict(cls, d: Dict) -> "PhasePlan":
+        # plans written before the plan carried its policy named it by two flags
+        legacy = "barrier" if d.get("barrier") else "throughput" if d.get("staleness") else "quality"
         return cls(start=d["start"], stop=d["stop"], num_ranks=d["num_ranks"], owner=list(d["owner"]),
-                   views=d["views"], reads=d["reads"], barrier=d.get("barrier", False),
+                   views=d["views"], reads=d["reads"], policy_name=d.get("policy", legacy),
                    motion=list(d.get("motion", [])), growth=list(d.get("growth", [])),
                    staleness=d.get("staleness", 0), admit_overlap=d.get("admit_overlap", 0.0),
                    counts=list(d.get("counts", [])))

@@ -35,6 +35,12 @@ class Policy:
     stale_reads: bool  # reads may be behind (the --pipeline.max-staleness, admit-* options apply)
     options: Tuple[str, ...]  # the pipeline options it reads beyond the common ones
     generator: Callable[..., List[Action]]  # (plan, rank) -> the rank's list for the phase
+    when_exact: Optional[str] = None  # a policy with reads behind: whose program runs when none may be (staleness 0)
+
+    def program_at(self, staleness: int) -> "Policy":
+        """The entry whose lists run at this staleness: a policy with reads behind runs its exact counterpart's
+        program when no read may be behind (`--pipeline.max-staleness 0`, or one rank)."""
+        return POLICIES[self.when_exact] if self.stale_reads and not staleness and self.when_exact else self
 
 
 def _exact(plan, rank: int, barrier: bool) -> List[Action]:
@@ -141,7 +147,7 @@ POLICIES: Dict[str, Policy] = {p.name: p for p in (
            description="Odin, throughput-first: bounded, admitted delayed reads across ranks.",
            panel="odin-throughput (reads admitted one version behind)",
            barrier=False, stale_reads=True, options=("max_staleness", "admit_overlap", "admit_update", "lane"),
-           generator=throughput_actions),
+           generator=throughput_actions, when_exact="quality"),
     Policy(name="barrier", method="odin-barrier", label="barrier",
            description="Distributed Gaussian splatting with a global barrier every step (the baseline).",
            panel="odin-barrier (a global barrier every step)",

@@ -43,9 +43,13 @@ class Preview:
     def policy_plans(self) -> Dict[str, List[PhasePlan]]:
         """The same views and read sets under each policy of the registry (throughput-first: reads behind
         wherever the plan admits them), by method name."""
-        return {p.method: [dataclasses.replace(plan, barrier=p.barrier, staleness=self.staleness if p.stale_reads
-                                               else 0, admit_overlap=self.admit_overlap if p.stale_reads else 0.0)
-                           for plan in self.plans] for p in POLICIES.values()}
+        out = {}
+        for p in POLICIES.values():
+            staleness = self.staleness if p.stale_reads else 0
+            out[p.method] = [dataclasses.replace(plan, policy_name=p.program_at(staleness).name, staleness=staleness,
+                                                 admit_overlap=self.admit_overlap if p.stale_reads else 0.0)
+                             for plan in self.plans]
+        return out
 
     def to_dict(self) -> Dict:
         return {"ranks": self.ranks, "num_views": self.num_views,
