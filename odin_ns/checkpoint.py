@@ -63,7 +63,8 @@ def write_full_checkpoint(trainer, step: int, full: Dict[str, torch.Tensor],
         "optimizers": optimizers,
         "schedulers": {k: v.state_dict() for k, v in trainer.optimizers.schedulers.items()},
         "scalers": trainer.grad_scaler.state_dict(),
-        "odin": {"scene": scene_identity(trainer), "resume": resume},
+        "odin": {"scene": scene_identity(trainer), "resume": resume,
+                 "recipe": {"units": trainer.recipe.units, "views_per_step": trainer.recipe.batch}},
     }, path)
     if trainer.config.save_only_latest_checkpoint:
         for old in trainer.checkpoint_dir.glob("*.ckpt"):
@@ -96,6 +97,23 @@ def check_same_scene(path: Path, saved: Dict | None, current: Dict) -> None:
         raise OdinInputError(f"checkpoint {path} was trained on {_describe(saved)}, but this run trains on "
                              f"{_describe(current)} (give the --data the checkpoint was trained on, or leave "
                              "--load-dir out to start afresh)")
+
+
+def check_same_recipe(path: Path, saved: Dict | None, recipe) -> None:
+    """A recipe counted in views counts steps of the checkpoint's global batch: resuming it with another batch
+    would misread its step (and every interval after it), so that is one line; a checkpoint without the record
+    (written before it, or plain splatfacto) is taken as it is, and so is any checkpoint under `--pipeline.recipe
+    steps`."""
+    from odin_ns.errors import OdinInputError
+
+    if saved is None or recipe.units != "views" or saved.get("units") != "views":
+        return
+    if saved["views_per_step"] != recipe.batch:
+        raise OdinInputError(
+            f"checkpoint {path} was trained at {saved['views_per_step']} view(s) a step and this run trains "
+            f"{recipe.batch} (ranks x --pipeline.micro-batch); the recipe counts views, so its steps differ: resume "
+            f"with a global batch of {saved['views_per_step']} (e.g. --pipeline.micro-batch "
+            f"{saved['views_per_step']} on one rank), or add --pipeline.recipe steps")
 
 
 def _step_of(path: Path) -> int:

@@ -23,7 +23,8 @@ from nerfstudio.utils import writer
 from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from odin_ns.checkpoint import check_same_scene, load_checkpoint_state, scene_identity, write_full_checkpoint
+from odin_ns.checkpoint import (check_same_recipe, check_same_scene, load_checkpoint_state, scene_identity,
+                                write_full_checkpoint)
 from odin_ns.errors import OdinInputError
 from odin_ns.pipeline import OdinPipeline
 from odin_ns.recipe import apply_recipe, recipe_rows
@@ -240,6 +241,7 @@ class OdinTrainer(Trainer):
             return
         path, state = found
         check_same_scene(path, state.get("odin", {}).get("scene"), scene_identity(self))
+        check_same_recipe(path, state.get("odin", {}).get("recipe"), self.recipe)
         self._start_step = state["step"] + 1
         self.pipeline.load_pipeline(state["pipeline"], state["step"])
         gaussian_groups = {}

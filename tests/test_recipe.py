@@ -128,6 +128,18 @@ def test_a_run_resumed_with_the_same_command_ends_where_the_uninterrupted_one_en
     assert steps[0]["step"] == 15 and steps[-1]["step"] == 31
 
 
+def test_a_resume_with_another_global_batch_is_one_line(runs, tmp_path):
+    """The checkpoint's steps are steps of 2 views: one process of 1 view a step would misread them."""
+    from conftest import odin_train
+
+    whole = scaled(runs, 2, "odin-barrier", *WHOLE)
+    folder = str(run_dir(whole) / "nerfstudio_models")
+    with pytest.raises(AssertionError) as failed:
+        odin_train(1, "odin-barrier", VIEWS + WHOLE + ["--load-dir", folder, "--load-step", "14"] + TINY_CITY,
+                   tmp_path / "out")
+    assert "was trained at 2 view(s) a step and this run trains 1" in str(failed.value)
+
+
 def test_nothing_left_to_train_is_one_line(runs, tmp_path):
     from conftest import odin_train
 
