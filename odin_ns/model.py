@@ -33,6 +33,7 @@ from nerfstudio.models.splatfacto import (
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.image_metrics import PSNR
+from odin_ns.recipe import length_in_steps
 from odin_ns.render import rasterization
 from odin_ns.render.viewmat import get_viewmat
 
@@ -157,7 +158,9 @@ class OdinModel(SplatfactoModel):
             refine_stop_iter=self.config.stop_split_at,
             reset_every=self.config.reset_alpha_every * self.config.refine_every,
             refine_every=self.config.refine_every,
-            pause_refine_after_reset=-(-self.num_train_data // self.config.views_per_step) + self.config.refine_every,
+            # one epoch of views (in steps of the recipe's batch), then one refine interval
+            pause_refine_after_reset=length_in_steps(self.num_train_data, self.config.views_per_step)
+            + self.config.refine_every,
             absgrad=self.config.use_absgrad,
             revised_opacity=False,
             verbose=True,

@@ -102,7 +102,7 @@ def test_the_prediction_replays_the_lists_the_runtime_ran(runs, method):
     records = recorded(city(runs, 2, method, *extra))
     ran = [program_actions(r) for r in records]
     config = _method_config([method] + CITY + extra + TINY_CITY)
-    plans = build_preview(config, 2, config.max_num_iterations).policy_plans()[method]
+    plans = build_preview(config, 2).policy_plans()[method]
     refined = next(i for i, plan in enumerate(plans) if plan.start >= 20)  # refine at step 20 (conftest)
     assert refined >= 2
     for i, plan in enumerate(plans[:refined]):

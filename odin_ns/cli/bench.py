@@ -211,10 +211,8 @@ def replayed_wall(run: Dict, flags: List[str]) -> Optional[float]:
     from odin_ns.schedule.preview import build_preview
     from odin_ns.schedule.simulate import simulate
 
-    from odin_ns.recipe import apply_recipe
-
     config = _method_config([run["method"], *QUIET_RUN, *flags])
-    preview = build_preview(config, run["ranks"], apply_recipe(config, run["ranks"])[0].max_num_iterations)
+    preview = build_preview(config, run["ranks"])  # the whole run, in its recipe's steps
     costs, _ = replay_costs(config, preview, run["config"].parent / "odin_stats.json")
     return simulate(preview.policy_plans()[run["method"]], costs).wall_s
 

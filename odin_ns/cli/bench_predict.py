@@ -13,8 +13,8 @@ interpreter runs) and replays them (`schedule.simulate`) with a GPU's per-view a
 views/s, the speed-up over `odin-barrier`, the ideal (barrier's wall over its busiest rank's render + update) and
 the share of barrier's wait hidden, the time to train `--views` views (30000, splatfacto's recipe: the recipe
 counts views, so every rank count trains the same), and with 1 among `--ranks` the speed-up over the same scene
-replayed on one GPU, beside Grendel-GS's published figure; and draws them (predict.png). A scene's points stand for a scene of
-`--gaussians` (default per scene: what gsplat or Grendel-GS trained on such a scene), its views render at the
+replayed on one GPU, beside Grendel-GS's published figure; and draws them (predict.png). A scene's points stand
+for a scene of `--gaussians` (default per scene: what gsplat or Grendel-GS trained on such a scene), its views render at the
 scene's training resolution.
 """
 

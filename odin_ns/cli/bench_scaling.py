@@ -121,9 +121,8 @@ def summarize(label: str, tries: Dict[int, List[Dict]], reference: Dict[int, Lis
 
 def print_rows(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
-    for col in ("run", "steps", "training wall (s)", "speed-up in time to quality", "at equal render speed", "PSNR (dB)",
-                "vs 1 rank",
-                "SSIM", "Gaussians (vs 1 rank)", "whole process (s)"):
+    for col in ("run", "steps", "training wall (s)", "speed-up in time to quality", "at equal render speed",
+                "PSNR (dB)", "vs 1 rank", "SSIM", "Gaussians (vs 1 rank)", "whole process (s)"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["label"], str(r["steps"]), f"{r['train_wall_s']:.1f}", f"{r['speedup']:.2f}x",
@@ -222,16 +221,13 @@ def summarize_kept(folder: Path, json_path: Optional[Path]) -> int:
                          "them)")
     tries: Dict[str, Dict[int, List[Dict]]] = {}
     order: Dict[str, int] = {}
-    for path in found:
-        meta = json.loads(path.read_text())
+    kept = [json.loads(path.read_text()) for path in found]
+    for path, meta in zip(found, kept):
         stats = json.loads(next(path.parent.glob("**/odin_stats.json")).read_text())
-        run = dict(meta, summary=stats["summary"])
-        tries.setdefault(meta["label"], {}).setdefault(meta["seed"], []).append(run)
+        tries.setdefault(meta["label"], {}).setdefault(meta["seed"], []).append(dict(meta, summary=stats["summary"]))
         order[meta["label"]] = meta["order"]
     labels = sorted(tries, key=order.get)
-    seeds = sorted({s for per_seed in tries.values() for s in per_seed})
-    first = json.loads(found[0].read_text())
-    report(tries, labels, first["scene"], first["views"], max(r["ranks"] for t in tries.values()
-                                                                  for runs in t.values() for r in runs),
-           seeds, json_path, {"kept": str(folder)})
+    seeds = sorted({meta["seed"] for meta in kept})
+    report(tries, labels, kept[0]["scene"], kept[0]["views"], max(meta["ranks"] for meta in kept), seeds,
+           json_path, {"kept": str(folder)})
     return 0

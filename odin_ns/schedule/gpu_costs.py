@@ -81,22 +81,22 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     count = torch.as_tensor(counts, dtype=torch.float64)
     share = visible.double() if visible is not None else None
     touched_rows: Dict[int, torch.Tensor] = {}  # step -> [blocks] rows some view of the step sees
-    seen_rows: Dict[Tuple[int, int], torch.Tensor] = {}  # (step, rank) -> [blocks] rows its views see
+    # (step, rank) -> [blocks] rows its views see (rows: each once; splats: once per view that sees it)
+    seen_rows: Dict[Tuple[int, int], torch.Tensor] = {}
     render = [gpu.render_fixed_s + gpu.render_per_gaussian_s * scale * g + gpu.render_per_pixel_s * p
               for g, p in zip(gaussians_read, pixels)]
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
     owner_at: Dict[int, torch.Tensor] = {}  # step -> [blocks] owning rank (the splat path's publications)
-    reads_at: Dict[Tuple[int, int], torch.Tensor] = {}  # (step, rank) -> [blocks] how many of its views read it
     for plan in plans:
         owner = torch.as_tensor(plan.owner)
         for step in range(plan.start, plan.stop):
             owner_at[step] = owner
-            if share is None and data_path == "splats":
+            if share is None and data_path == "splats":  # every Gaussian of a block a view reads, in each view
                 for r in range(plan.num_ranks):
-                    n = torch.zeros(len(counts), dtype=torch.float64)
+                    reads = torch.zeros(len(counts), dtype=torch.float64)
                     for blocks in plan.view_reads(step, r):
-                        n[list(blocks)] += 1
-                    reads_at[(step, r)] = n
+                        reads[list(blocks)] += 1
+                    seen_rows[(step, r)] = count * reads
             mask = torch.zeros(len(counts), dtype=torch.float64)
             mask[list(plan.touched(step))] = 1.0
             if share is None:
@@ -116,19 +116,13 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     def message_bytes(sender: int, a: Action) -> float:
         blocks = list(a.blocks)
         if a.kind == "G":
-            if share is not None:
-                rows = seen_rows[(a.step, sender)][blocks]
-            else:
-                rows = (count * reads_at[(a.step, sender)])[blocks] if data_path == "splats" else count[blocks]
+            rows = seen_rows[(a.step, sender)][blocks] if (a.step, sender) in seen_rows else count[blocks]
             return scale * float(rows.sum()) * (SPLAT_GRAD_BYTES if data_path == "splats" else GRAD_BYTES)
         if data_path == "splats":  # the splats of the reader's next views that see the owner's blocks
             step = a.step + 1
             if step not in owner_at:
                 return 0.0
-            if share is not None:
-                seen = seen_rows[(step, a.peer)]
-            else:  # every Gaussian of a block its views read, in each of them (a bound)
-                seen = count * reads_at[(step, a.peer)]
+            seen = seen_rows[(step, a.peer)]
             return scale * float(seen[owner_at[step] == sender].sum()) * SPLAT_BYTES
         rows = touched_rows[a.step][blocks] if a.step in touched_rows else count[blocks]  # phase start: whole
         return scale * float(rows.sum()) * PARAM_BYTES

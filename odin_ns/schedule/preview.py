@@ -58,13 +58,15 @@ class Preview:
                 "phases": [p.to_dict() for p in self.plans]}
 
 
-def build_preview(config, ranks: int, steps: int, first_step: int = 0) -> Preview:
+def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: int = 0) -> Preview:
     """Plans for steps [first_step, first_step + steps) of the run `config` (an OdinTrainerConfig) on `ranks`, with
-    the recipe in steps of the run's global batch, as the trainer applies it."""
+    the recipe in steps of the run's global batch, as the trainer applies it; without `steps`, the whole run."""
     from odin_ns.recipe import apply_recipe
 
     config.pipeline.seed = config.machine.seed
     config = apply_recipe(config, ranks)[0]
+    if steps is None:
+        steps = config.max_num_iterations - first_step
     pipe = config.pipeline
     datamanager = pipe.datamanager.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
     from odin_ns.pipeline import setup_model  # the pipeline module imports the engine; keep this one light
