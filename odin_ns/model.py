@@ -308,6 +308,39 @@ class OdinModel(SplatfactoModel):
             background = background.expand(H, W, 3)
         return {"rgb": rgb.squeeze(0), "depth": depth_im, "accumulation": alpha.squeeze(0), "background": background}
 
+    def sh_degree_at(self, step: int) -> Optional[int]:
+        """The SH degree splatfacto renders step `step` with (None: colours without SH, through a sigmoid)."""
+        if self.config.sh_degree <= 0:
+            return None
+        return min(step // self.config.sh_degree_interval, self.config.sh_degree)
+
+    def downscale_at(self, step: int) -> int:
+        """The training resolution's downscale factor at step `step` (splatfacto's `_get_downscale_factor`)."""
+        return 2 ** max(self.config.num_downscales - step // self.config.resolution_schedule, 0)
+
+    def training_render_mode(self) -> str:
+        return "RGB+ED" if self.config.output_depth_during_training else "RGB"
+
+    def outputs_from_splats(self, splats: torch.Tensor, radii: torch.Tensor, width: int, height: int,
+                            camera: Cameras) -> Dict[str, Union[torch.Tensor, list]]:
+        """The reader's half of a training view (DESIGN.md "The data path"): `get_outputs` from the view's splats
+        (every owner's, in global order) instead of from Gaussians; the same outputs, bit for bit."""
+        from odin_ns.render.splats import rasterize_splats
+
+        self.last_size = (height, width)
+        render_mode = self.training_render_mode()
+        render, alpha, self.splat_means2d = rasterize_splats(splats, radii, width, height, render_mode,
+                                                             absgrad=self.strategy.absgrad)
+        background = self._get_background_color()
+        rgb = torch.clamp(render[:, ..., :3] + (1 - alpha) * background, 0.0, 1.0)
+        if self.config.use_bilateral_grid and camera.metadata is not None and "cam_idx" in camera.metadata:
+            rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], height, width)
+        depth_im = None
+        if render_mode == "RGB+ED":
+            depth_im = render[:, ..., 3:4]
+            depth_im = torch.where(alpha > 0, depth_im, depth_im.detach().max()).squeeze(0)
+        return {"rgb": rgb.squeeze(0), "depth": depth_im, "accumulation": alpha.squeeze(0), "background": background}
+
     def get_image_metrics_and_images(self, outputs, batch):
         """Splatfacto's metrics; LPIPS only when its weights were available locally (see `lpips_weights_available`)."""
         if self.lpips is not None:

@@ -37,8 +37,10 @@ from odin_ns.runtime.interpreter import Program
 from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.owned_versions import OwnedVersions
-from odin_ns.runtime.owner_update import Contribution, contribution_rows
+from odin_ns.runtime.owner_update import Contribution
 from odin_ns.runtime.rank_runtime import RankRuntime
+from odin_ns.runtime.splat_path import SplatPath
+from odin_ns.runtime.view_projection import Camera, backprop, project_rows
 from odin_ns.runtime.sharded import (PARAM_NAMES, ShardedGaussians, pack_params, packed_rows, param_columns,
                                      unpack_params)
 from odin_ns.runtime.transport import RECORD_ENV
@@ -74,13 +76,18 @@ class OdinEngine(PhaseBoundary):
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
-                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto"):
+                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto",
+                 data_path: str = "splats"):
         self.env = env
         self.policy = POLICIES[policy]
         # reads may be behind (alone, every policy is plain training: nothing to be behind of)
         self.staleness = max_staleness if self.policy.stale_reads and env.distributed else 0
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
+        if data_path not in ("splats", "rows"):
+            raise ValueError(f"unknown data path {data_path!r} (splats or rows)")
+        # what travels (DESIGN.md "The data path"): owners' splats for current reads; reads behind still take rows
+        self.splat_data = data_path == "splats" and not self.staleness
         # throughput-first: where its communication lane runs (runtime/lane.py)
         self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
@@ -245,6 +252,8 @@ class OdinEngine(PhaseBoundary):
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
+        self.splats = SplatPath(self.env, self.log, self.device, self.model, self.num_rest, self.runtime.channels,
+                                self._camera, self._owned_rows, None) if self.splat_data else None
         self.plan = None
 
     # ---- phases ---------------------------------------------------------------------------------------------
@@ -338,7 +347,10 @@ class OdinEngine(PhaseBoundary):
         self.plans_made += 1
         me = self.env.rank
         envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
-        self.runtime.begin(self.plan, self.table, self.plan.read_mask, envelope)
+        self.runtime.begin(self.plan, self.table, self.plan.read_mask, envelope, rows=self.splats is None)
+        if self.splats is not None:
+            self.splats.begin(self.plan, self.table, self.runtime.home_start, self.runtime.extras_out,
+                              self.runtime.extras_self)
         self.program = Program(self.plan.actions(me), me, self.plan.start, self.plan.stop)
         if self.recorder is not None:
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
@@ -376,6 +388,14 @@ class OdinEngine(PhaseBoundary):
     def _packed_owned(self) -> torch.Tensor:
         return pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
 
+    def _owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return packed_rows(self.model.gauss_params, rows)
+
+    def _camera(self, step: int, view: int) -> Camera:
+        """A training view's camera at the resolution step `step` renders with."""
+        viewmat, K, W, H = self._projection(view, self.model.downscale_at(step))
+        return Camera(viewmat[0].to(self.device), K[0].to(self.device), W, H)
+
     # ---- one step: the seams run the step's part of the program ------------------------------------------------
 
     def _projection(self, view: int, downscale: int):
@@ -392,6 +412,13 @@ class OdinEngine(PhaseBoundary):
         return torch.rand(3, generator=g).to(self.device)
 
     def _handlers(self, step: int, optimizers) -> Dict:
+        if self.splats is not None:
+            splats = self.splats
+            return {"P": lambda group: splats.publish(group[0].step, [a.peer for a in group]),
+                    "W": lambda group: splats.take(step, [a.peer for a in group]),
+                    "G": lambda group: splats.send_gradients(step, [a.peer for a in group]),
+                    "U": lambda group: self._apply_update(step, None, optimizers),
+                    "B": lambda group: self.runtime.barrier()}
         return {"P": lambda group: self.runtime.publish(group[0].step, [a.peer for a in group]),
                 "W": lambda group: self.runtime.take_current(step, [a.peer for a in group]),
                 "G": lambda group: self._send_gradients(step, [a.peer for a in group]),
@@ -420,8 +447,9 @@ class OdinEngine(PhaseBoundary):
         return views
 
     def render(self, step: int, views: Sequence[int]):
-        """Render each view from its read set (owned blocks and replicas) and back-propagate into per-view leaves;
-        (loss, loss dict, metrics dict, per-view contributions, per-view block ids)."""
+        """Render each view from its splats and back-propagate to them: on the splat path every owner's splats of
+        the view (this rank projects its own), on the row path the projection of the view's rows (owned rows and
+        replicas). (loss, loss dict, metrics dict, per-view contributions, per-view block ids)."""
         me, model, runtime = self.env.rank, self.model, self.runtime
         record = self.log.current
         owned, own_current = None, True
@@ -431,23 +459,32 @@ class OdinEngine(PhaseBoundary):
             owned, own_current = self.own_rows.at(version), version == step - 1
         contributions, view_ids = [], []
         loss = loss_dict = metrics_dict = None
+        sh_degree, antialiased = model.sh_degree_at(step), model.config.rasterize_mode == "antialiased"
         for j, view in enumerate(views):
-            rows, ids = runtime.view_rows(step, j, owned, own_current)
-            view_ids.append(ids)
+            cam = self._camera(step, view)
             with self.log.computing():
-                leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, self.num_rest).items()}
-                model.render_params = leaves
+                if self.splats is not None:
+                    splats, radii, routing, own = self.splats.view_splats(step, j)
+                    ids = self.plan.view_reads(step, me)[j] + self.runtime.extras_self.get(step, {}).get(j, [])
+                else:
+                    rows, ids = runtime.view_rows(step, j, owned, own_current)
+                    proj = project_rows(rows, self.num_rest, cam, sh_degree, antialiased)
+                    splats, radii = proj.splats.detach().requires_grad_(), proj.radii
+                view_ids.append(ids)
                 model.training_background = self._background(step, me * self.schedule.micro_batch + j)
                 camera, batch = self.datamanager.train_view(view)
-                outputs = model(camera)
+                outputs = model.outputs_from_splats(splats, radii, cam.width, cam.height, camera)
                 metrics_dict = model.get_metrics_dict(outputs, batch)
                 loss_dict = model.get_loss_dict(outputs, batch, metrics_dict)
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
-            contributions.append(contribution_rows(leaves, model.info, model.strategy.absgrad,
-                                                   runtime.contribution_pool))
-            model.render_params = None
+                if self.splats is not None:
+                    self.splats.after_backward(step, j, routing, own, model.splat_means2d)
+                else:
+                    grads = splats.grad if splats.grad is not None else torch.zeros_like(splats)
+                    absgrad = model.splat_means2d.absgrad if model.strategy.absgrad else None
+                    contributions.append(backprop(proj, grads, absgrad, runtime.contribution_pool))
         record.gaussians_replicated, record.gaussians_window = runtime.resident(step)
         record.blocks_read = len({b for ids in view_ids for b in ids})
         return loss, loss_dict, metrics_dict, contributions, view_ids
@@ -465,6 +502,8 @@ class OdinEngine(PhaseBoundary):
         else:
             self.program.run(self.program.post[step], self._handlers(step, optimizers))
             runtime.forget_step(step)
+            if self.splats is not None:
+                self.splats.forget_step(step)
         if step + 1 == plan.stop:
             with self.ops.paused():  # a phase boundary is not a step's work
                 self._end_phase(step, optimizers)
@@ -490,7 +529,11 @@ class OdinEngine(PhaseBoundary):
         touched rows), its learning-rate step, then the check of the moved rows for the next step's reads."""
         runtime, plan = self.runtime, self.plan
         track = step < self.model.strategy.refine_stop_iter
-        runtime.update(step, mine, plan.readers(step, self.env.rank), optimizers, track)
+        readers = plan.readers(step, self.env.rank)
+        if self.splats is not None:  # U on the splat path: the views' splat gradients back through the projections
+            runtime.apply(step, self.splats.contributions(step, readers), optimizers, track)
+        else:
+            runtime.update(step, mine, readers, optimizers, track)
         optimizers.scheduler_step_all(step)
         if plan.contains(step + 1):
             params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}

@@ -79,9 +79,10 @@ class RankRuntime:
         """Blocks or values changed outside the optimizer (refine, opacity reset): the evidence is unknown."""
         self._structural = True
 
-    def begin(self, plan: PhasePlan, table: BlockTable, reads: torch.Tensor, envelope) -> None:
+    def begin(self, plan: PhasePlan, table: BlockTable, reads: torch.Tensor, envelope, rows: bool = True) -> None:
         """Plan the phase's arrays: ranges, the arena, the publication layouts; `reads[i, q, j, b]` is the plan's
-        read sets as a tensor. The phase-start publication (update start-1) is the caller's first P group."""
+        read sets as a tensor. The phase-start publication (update start-1) is the caller's first P group. With
+        `rows` False (the splat data path, `runtime.splat_path`) no row travels: no arena, no layouts."""
         me, R = self.env.rank, plan.num_ranks
         self.plan, self.table = plan, table
         B = plan.num_blocks
@@ -108,7 +109,8 @@ class RankRuntime:
         self.row_block_d, self.own_local_d = self.row_block.to(self.device), self.own_local.to(self.device)
         self.home_start_d = self.home_start.to(self.device)
         self.reads = reads
-        self.arena = Arena(ArenaPlan(plan.start, plan.stop, reads[:, me].any(dim=1), self.owner, self.count, me,
+        self.rows_path = rows
+        self.arena = None if not rows else Arena(ArenaPlan(plan.start, plan.stop, reads[:, me].any(dim=1), self.owner, self.count, me,
                                      plan.staleness), self.width, self.device)
         self.envelope = tuple(t.to(self.device) for t in envelope)  # the bounds the phase was planned with
         self.extras_in: Dict[int, Dict[int, List[int]]] = {}
@@ -134,6 +136,8 @@ class RankRuntime:
         if plan.staleness and self.n_owned:
             packed = torch.cat([self.model.gauss_params[n].detach().flatten(1) for n in _NAMES], dim=1)
             self.norm_sq.index_add_(0, self.own_local[self.row_block], packed.double().pow(2).sum(dim=1).cpu())
+        if not rows:
+            return
         # every index a step needs, planned now (a step only gathers and scatters with them)
         for step in range(plan.start, plan.stop):
             reads_of_step = plan.view_reads(step, me)
@@ -154,6 +158,8 @@ class RankRuntime:
     def resident(self, step: int) -> Tuple[int, int]:
         """(the arena's rows: what the replicas cost this rank this phase, the rows of the remote blocks its views
         read in the publication window of `step`, what a replica store must hold at least)."""
+        if self.arena is None:  # the splat data path holds no other rank's rows
+            return 0, 0
         plan = self.arena.plan
         return self.arena.rows.shape[0], int(plan.window_rows[plan.index(update=step - 1)])
 
@@ -163,7 +169,7 @@ class RankRuntime:
         if self.channels is None:
             return
         plan, me = self.plan, self.env.rank
-        for o in sorted(self.pos):
+        for o in sorted(self.pos) if self.rows_path else []:  # the splat path takes every publication at its W
             p = self.pos[o]
             while True:
                 u = plan.next_publication(o, me, plan.start - 2 if p is None else p, plan.stop - 2)
@@ -484,6 +490,7 @@ class RankRuntime:
         header_values = torch.cat([per_segment.view(R, mb), used.expand(R, -1)], dim=1)  # [R, mb + groups]
         host = header_values.tolist()  # the one host read
         total = sum(sum(h[:mb]) for h in host)
+        self.log.current.remote_pairs += total  # the rows of other ranks the views saw
         picked = order[torch.nonzero_static(keep[order], size=total).flatten()] if total else order[:0]
         sends, start = [], 0
         for o in range(R):
@@ -495,7 +502,7 @@ class RankRuntime:
             cols = group_columns(host[o][mb:], spans, self.device)
             sends += [(o, header_values[o].contiguous()), (o, with_index(home[these], rows[these][:, cols]))]
             self.channels.note("G", step, o, "send")
-        self.channels.batch(sends, [], "transfer")
+        self.channels.batch(sends, [], "transfer", "G")
         self._give_back(contributions)
         return mine
 
@@ -547,6 +554,11 @@ class RankRuntime:
         contributions = []
         for q in range(self.plan.num_ranks):
             contributions += mine if q == self.env.rank else received.get(q, [])
+        return self.apply(step, contributions, optimizers, track)
+
+    def apply(self, step: int, contributions: List[Tuple[torch.Tensor, torch.Tensor]], optimizers, track: bool
+              ) -> UpdateResult:
+        """Selective Adam on the rows `contributions` (in the reference order) touch; the evidence of the update."""
         with self.log.updating():
             result = self.owner_update.run(contributions, optimizers, track, evidence=bool(self.plan.staleness))
         self.last = result
@@ -686,7 +698,7 @@ class RankRuntime:
                 sends.append((q, torch.cat([torch.cat([t[self.ranges[b][0]:self.ranges[b][1]] for t in params], dim=1)
                                             for _, b in extras])))
             self.channels.note("P", update, q, "send")
-        self.channels.batch(sends, [], "transfer")
+        self.channels.batch(sends, [], "transfer", "P")
 
     def forget_step(self, step: int) -> None:
         self.extras_in.pop(step, None)

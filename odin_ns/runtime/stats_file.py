@@ -81,6 +81,7 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),
         "bytes_per_step": sum(r["bytes_sent"] for r in records) / len(steps) if steps else 0.0,
+        **bytes_per_pair(records),
         "read_set_misses": sum(r.get("read_set_misses", 0) for r in records),
         "misses_handled": sum(r.get("misses_handled", 0) for r in records),
         "plan_violations": sum(r.get("plan_violations", 0) for r in records),
@@ -89,6 +90,17 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "runtime_syncs_per_step": _mean(r["runtime_syncs"] for r in records if r.get("runtime_syncs") is not None),
         **stale_summary(records),
     }
+
+
+def bytes_per_pair(records: List[dict]) -> Dict[str, float | None]:
+    """Bytes moved per visible (view, remote Gaussian) pair the views rendered: to the readers (publications:
+    rows or splats, headers included) and back to the owners (gradients)."""
+    pairs = sum(r.get("remote_pairs", 0) for r in records)
+
+    def per(kind):
+        return sum(r.get("bytes_by_kind", {}).get(kind, 0) for r in records) / pairs if pairs else None
+
+    return {"remote_pairs": pairs, "bytes_per_pair_to_reader": per("P"), "bytes_per_pair_back": per("G")}
 
 
 def resident_share(records: List[dict], world_size: int) -> List[float]:

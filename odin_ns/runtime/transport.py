@@ -91,7 +91,9 @@ class Channels:
             self.record.append([kind, int(step), int(peer), direction])
 
     def batch(self, sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-              cause: str) -> None:
+              cause: str, kind: str | None = None) -> None:
+        """Post the sends and receives together and wait for the receives (`cause`); `kind` names what the sends
+        carry in the traffic accounts (P or G)."""
         ops: List[dist.P2POp] = []
         sent = received = 0
         for peer, tensor in sends:
@@ -110,7 +112,7 @@ class Channels:
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
-        self.log.add_traffic(sent, received)
+        self.log.add_traffic(sent, received, kind)
         for i, (op, work) in enumerate(zip(ops, works)):
             if op.op is dist.isend:
                 self._pending.append((work, op.tensor))

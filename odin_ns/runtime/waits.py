@@ -39,6 +39,9 @@ class StepRecord:
     wait_s: Dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in CAUSES})
     bytes_sent: int = 0
     bytes_received: int = 0
+    # bytes sent by what they carry: "P" (reads: rows or splats to the readers), "G" (gradients to the owners)
+    bytes_by_kind: Dict[str, int] = field(default_factory=dict)
+    remote_pairs: int = 0  # visible (view, Gaussian of another rank) pairs this rank's views rendered
     gaussians_owned: int = 0
     gaussians_replicated: int = 0  # replica rows held (the phase's arena)
     gaussians_window: int = 0  # rows of the remote blocks the rank reads in the step's publication window
@@ -68,6 +71,7 @@ class StepRecord:
             "update_s": self.update_s, "bookkeeping_s": self.bookkeeping_s, "loop_s": self.loop_s,
             "wall_s": self.wall_s, "started": self.started, "cpu_s": self.cpu_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
             "gaussians_window": self.gaussians_window,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
@@ -174,6 +178,8 @@ class WaitLog:
             r.segments.append([kind, started - r.started, duration])
         return duration
 
-    def add_traffic(self, sent: int, received: int) -> None:
+    def add_traffic(self, sent: int, received: int, kind: str | None = None) -> None:
         self.current.bytes_sent += sent
         self.current.bytes_received += received
+        if kind is not None and sent:
+            self.current.bytes_by_kind[kind] = self.current.bytes_by_kind.get(kind, 0) + sent

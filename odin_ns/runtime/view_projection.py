@@ -1,0 +1,92 @@
+"""A view's projection of some Gaussians, and the backward of its splats' gradients through it.
+
+Both data paths render through it. On the splat path an owner projects the rows of its blocks a view reads (its
+own views and its readers'), keeps the graph, and turns the splats' gradients into the view's contribution when
+they come back; on the row path a reader projects every row its view reads at once. The projection of a Gaussian
+does not depend on which others share the call (render/projection.py), so both give the same contributions, bit
+for bit, whatever the rank count.
+
+A contribution is [M, D + 3]: the gradient of each of the M rows' packed parameters, then gsplat's densification
+statistics of the row in this view (DefaultStrategy's `_update_state`: the norm of the screen-space gradient
+scaled by half the image size, visible 0/1, the radius over the larger image side).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+from odin_ns.buffers import BufferPool
+from odin_ns.render.splats import MEANS2D, project_splats
+from odin_ns.runtime.owner_update import MAY_BE_ZERO, Contribution
+from odin_ns.runtime.sharded import PARAM_NAMES, unpack_params
+
+
+class Camera(NamedTuple):
+    """One training view at one step's resolution: world-to-camera [4, 4], intrinsics [3, 3], size."""
+
+    viewmat: torch.Tensor
+    K: torch.Tensor
+    width: int
+    height: int
+
+
+class ViewProjection(NamedTuple):
+    """What an owner keeps of a view's projection until the splats' gradients come back."""
+
+    leaves: Dict[str, torch.Tensor]  # [M, ...] the rows' parameters (autograd leaves)
+    ids: torch.Tensor  # [n] which of the M rows are visible (ascending)
+    radii: torch.Tensor  # [n] int32
+    splats: torch.Tensor  # [n, SPLAT_WIDTH], the graph back to the leaves
+    camera: Camera
+    rows: Optional[torch.Tensor] = None  # [M] the rows' indices among the owner's rows (the splat path)
+
+
+def project_rows(rows: torch.Tensor, num_rest: int, camera: Camera, sh_degree: Optional[int],
+                 antialiased: bool) -> ViewProjection:
+    """Project packed rows [M, D] (a copy is made: the leaves) for one camera."""
+    leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, num_rest).items()}
+    coeffs = torch.cat([leaves["features_dc"][:, None, :], leaves["features_rest"]], dim=1)
+    if sh_degree is None:
+        coeffs = coeffs[:, :1]
+    ids, radii, splats = project_splats(leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"],
+                                        coeffs, camera.viewmat, camera.K, camera.width, camera.height, sh_degree,
+                                        antialiased)
+    return ViewProjection(leaves, ids, radii, splats, camera)
+
+
+def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor],
+             pool: Optional[BufferPool] = None) -> Contribution:
+    """The view's contribution from its splats' gradients [n, SPLAT_WIDTH] (and absolute screen-space gradients
+    [n, 2] when the strategy uses them): the backward through the projection, then the statistics."""
+    leaves = view.leaves
+    if view.splats.shape[0]:
+        torch.autograd.backward(view.splats, grads)
+    m = leaves["means"].shape[0]
+    widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
+              for n in PARAM_NAMES]
+    width = sum(widths)
+    out = pool.take(m, width + 3, grads.dtype, grads.device) if pool is not None else torch.empty(
+        (m, width + 3), dtype=grads.dtype, device=grads.device)
+    used = torch.ones(len(PARAM_NAMES) + 1, dtype=torch.bool, device=grads.device)  # the statistics travel always
+    col = 0
+    for g, (n, w) in enumerate(zip(PARAM_NAMES, widths)):
+        grad = leaves[n].grad
+        if grad is None:
+            out[:, col:col + w] = 0
+            used[g] = False
+        else:
+            out[:, col:col + w] = grad.reshape(m, w)
+            if n in MAY_BE_ZERO:
+                used[g] = torch.count_nonzero(grad) > 0
+        col += w
+    g2d = absgrad if absgrad is not None else grads[:, MEANS2D]
+    cam = view.camera
+    gx, gy = g2d[:, 0] * (cam.width / 2.0), g2d[:, 1] * (cam.height / 2.0)  # one camera
+    stats = out[:, width:]
+    stats.zero_()
+    stats[:, 0].index_copy_(0, view.ids, torch.sqrt(gx * gx + gy * gy))
+    stats[:, 1].index_fill_(0, view.ids, 1.0)
+    stats[:, 2].index_copy_(0, view.ids, view.radii.to(out.dtype) / float(max(cam.width, cam.height)))
+    return Contribution(out, used)
