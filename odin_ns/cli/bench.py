@@ -195,6 +195,8 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "read_set_misses": s["read_set_misses"], "misses_handled": s["misses_handled"],
             "mean_blocks_read": s["mean_blocks_read"], "mean_blocks_total": s["mean_blocks_total"],
             "peak_resident_share": s.get("peak_resident_share", []),
+            "peak_bytes_per_rank": s.get("peak_bytes_per_rank", []),
+            "bytes_per_pair": (s.get("bytes_per_pair_to_reader"), s.get("bytes_per_pair_back")),
             "replicas_over_window": s.get("replicas_over_window", []),
             "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
             "max_staleness_seen": s.get("max_staleness_seen", 0),
@@ -221,7 +223,8 @@ def print_table(rows: List[Dict], title: str) -> None:
     table = Table(title=title)
     cols = ("run", "views/s", "speed-up", "ideal", "wait hidden", "at equal speed", "at equal CPU", "render",
             "update", "bookkeeping", "loop",
-            "validate", "transfer", "barrier", "phase", "MB/step", "resident", "stale/refused", "replayed wall",
+            "validate", "transfer", "barrier", "phase", "MB/step", "B/pair", "resident", "stale/refused",
+            "replayed wall",
             "PSNR")
     for col in cols:
         table.add_column(col, justify="right")
@@ -235,8 +238,10 @@ def print_table(rows: List[Dict], title: str) -> None:
                       *(f"{p[k]:.2f}" for k in ("render_s", "update_s", "bookkeeping_s", "loop_s", "wait_validate_s",
                                                 "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}",
+                      "-" if r["bytes_per_pair"][0] is None else "/".join(f"{x:.0f}" for x in r["bytes_per_pair"]),
                       "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " (" +
-                      "/".join(f"{x:.2f}" for x in r["replicas_over_window"]) + "x)",
+                      "/".join(f"{x:.2f}" for x in r["replicas_over_window"]) + "x) " +
+                      "/".join(f"{x / 1e6:.1f}" for x in r["peak_bytes_per_rank"]) + " MB",
                       f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
                       "-" if not r.get("replayed_wall_s") else
                       f"{r['replayed_wall_s']:.1f} ({r['replayed_wall_s'] / r['wall_s'] - 1:+.0%})",
@@ -247,9 +252,11 @@ def print_table(rows: List[Dict], title: str) -> None:
           "wait hidden with each run's wall scaled by how much faster or slower the ranks' own work (wall minus "
           "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs); 'at equal "
           "CPU': the same with the processor time of the ranks' processes (every thread, a lane on a thread too) in "
-          "place of the main thread's work. 'resident': per rank, the largest share of the model it held at a step "
-          "(owned + replicas), and in brackets the replicas it held in a phase over the most remote rows its views "
-          "read in one window of the phase. 'stale/refused': block reads "
+          "place of the main thread's work. 'B/pair': bytes sent per visible (view, remote Gaussian) pair, to the "
+          "readers / back to the owners. 'resident': per rank, the largest share of the model it held at a step "
+          "(owned + replicas), in brackets the replicas it held in a phase over the most remote rows its views "
+          "read in one window of the phase, then its peak bytes (owned rows with Adam's moments, replicas, the "
+          "step's messages). 'stale/refused': block reads "
           "admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
           "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 
@@ -270,6 +277,9 @@ def train_main(argv: List[str]) -> int:
     ap.add_argument("--thread-lane", action="store_true",
                     help="also run odin-throughput with its communication lane on a thread (--pipeline.lane thread; "
                          "inline is the default on CPU ranks)")
+    ap.add_argument("--row-path", action="store_true",
+                    help="also run the exact policies on the row data path (--pipeline.data-path rows): what the "
+                         "splat path saves in bytes, memory and time, side by side")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
     if args.ranks < 2:
@@ -282,6 +292,9 @@ def train_main(argv: List[str]) -> int:
     if args.repeat < 1:
         raise SystemExit("odin: error: --repeat must be at least 1")
     plan = [(label, method, order, []) for label, method, order in RUNS]
+    if args.row_path:
+        plan += [(f"{p.label}, rows", p.method, "odin", ["--pipeline.data-path", "rows"])
+                 for p in sorted(POLICIES.values(), key=lambda p: not p.barrier) if not p.stale_reads]
     if args.thread_lane:
         lane = next(p for p in POLICIES.values() if "lane" in p.options)
         plan.append((f"{lane.label}, lane on a thread", lane.method, "odin", ["--pipeline.lane", "thread"]))

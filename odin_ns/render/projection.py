@@ -61,7 +61,8 @@ def _sym(c: List[Tensor], i: int, k: int) -> Tensor:
 
 def _project_one(means: Tensor, covar: List[Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
                  eps2d: float, near_plane: float, far_plane: float, calc_compensations: bool):
-    """One camera, element-wise: (radius float [N], means2d [N, 2], depth [N], conic [N, 3], compensation [N] or None)."""
+    """One camera, element-wise: (radius float [N], means2d [N, 2], depth [N], conic [N, 3], compensation [N] or
+    None)."""
     Rc = viewmat[:3, :3].tolist()
     t = viewmat[:3, 3].tolist()
     px, py, pz = means.unbind(-1)

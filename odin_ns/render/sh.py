@@ -22,10 +22,11 @@ def sh_rgb(sh_degree: int, dirs: Tensor, coeffs: Tensor) -> Tensor:
     norm = torch.sqrt(x * x + y * y + z * z).clamp_min(1e-12)  # F.normalize's eps
     unit = torch.stack([x / norm, y / norm, z / norm], dim=-1)
     num_bases = (sh_degree + 1) ** 2
-    bases = _eval_sh_bases_fast(num_bases, unit)  # [N, num_bases]
-    out = bases[:, 0, None] * coeffs[:, 0]
+    bases = _eval_sh_bases_fast(num_bases, unit).unbind(1)  # num_bases x [N]
+    terms = coeffs.unbind(1)
+    out = bases[0][:, None] * terms[0]
     for k in range(1, num_bases):
-        out = out + bases[:, k, None] * coeffs[:, k]
+        out = out + bases[k][:, None] * terms[k]
     return torch.clamp_min(out + 0.5, 0.0)
 
 

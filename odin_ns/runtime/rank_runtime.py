@@ -110,8 +110,9 @@ class RankRuntime:
         self.home_start_d = self.home_start.to(self.device)
         self.reads = reads
         self.rows_path = rows
-        self.arena = None if not rows else Arena(ArenaPlan(plan.start, plan.stop, reads[:, me].any(dim=1), self.owner, self.count, me,
-                                     plan.staleness), self.width, self.device)
+        self.arena = None if not rows else Arena(
+            ArenaPlan(plan.start, plan.stop, reads[:, me].any(dim=1), self.owner, self.count, me, plan.staleness),
+            self.width, self.device)
         self.envelope = tuple(t.to(self.device) for t in envelope)  # the bounds the phase was planned with
         self.extras_in: Dict[int, Dict[int, List[int]]] = {}
         self.extras_self: Dict[int, Dict[int, List[int]]] = {}

@@ -8,8 +8,9 @@ The actions keep their meaning and their lists; what travels is splats:
   (the Gaussian's position in the whole model's block order), both as int32 bits;
 - W (reader, step u+1): receives them; R renders each view from its own splats and the received ones sorted by key,
   the order one process renders in, and back-propagates to every splat;
-- G (reader -> owner): the gradients of the owner's splats, in the order they came (10 numbers each, 12 when the
-  strategy uses absolute gradients): one payload whose size both sides know, no header;
+- G (reader -> owner): the gradients of the owner's splats, in the order they came: 2-D mean, conic, opacity and
+  colour (the depth too when the render uses it), and the absolute screen-space gradient when the strategy uses
+  it (splatfacto's default): 11 numbers, 44 bytes; one payload whose size both sides know, no header;
 - U (owner): back-propagates each view's gradients through the projection it kept, in the reference order
   (rank, then view), and hands the contributions to the owners' update.
 No rank holds another rank's rows: memory is the owned rows with their optimizer state, and the splats and kept
@@ -22,7 +23,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from odin_ns.render.splats import SPLAT_WIDTH
+from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
 from odin_ns.runtime.replicas import expand_ranges
 from odin_ns.runtime.view_projection import Camera, ViewProjection, backprop, project_rows
 
@@ -42,6 +43,9 @@ class SplatPath:
         self.packed_rows = packed_rows
         self.pool = pool
         self.absgrad = bool(model.strategy.absgrad)
+        # the splat columns whose gradient travels back: the depth's only when the render uses it (expected depth)
+        keep = [c for c in range(SPLAT_WIDTH) if c != DEPTH or model.training_render_mode() != "RGB"]
+        self.grad_columns = torch.tensor(keep, dtype=torch.int64, device=device)
         self.antialiased = model.config.rasterize_mode == "antialiased"
         self.kept: Dict[Tuple[int, int], List[ViewProjection]] = {}  # (step, reader) -> per view, at the owner
         self.received: Dict[int, Dict[int, Tuple[List[int], torch.Tensor]]] = {}  # step -> owner -> at the reader
@@ -145,7 +149,8 @@ class SplatPath:
             if o == self.env.rank:
                 self.mine.setdefault(step, []).append((own.rows, backprop(own, grad, part_abs, self.pool).rows))
             else:
-                wire = torch.cat([grad, part_abs], dim=1) if part_abs is not None else grad
+                wire = grad.index_select(1, self.grad_columns)
+                wire = torch.cat([wire, part_abs], dim=1) if part_abs is not None else wire
                 self.grads_out.setdefault(step, {}).setdefault(o, []).append(wire)
 
     def send_gradients(self, step: int, owners: Sequence[int]) -> None:
@@ -162,7 +167,8 @@ class SplatPath:
     def contributions(self, step: int, readers: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """U's input: every view's contribution to this rank's rows, in the reference order (rank, then view), as
         (owned row indices, rows)."""
-        me, width = self.env.rank, SPLAT_WIDTH + (2 if self.absgrad else 0)
+        me, cols = self.env.rank, self.grad_columns.shape[0]
+        width = cols + (2 if self.absgrad else 0)
         payloads = {}
         if readers:
             for q in readers:
@@ -182,8 +188,9 @@ class SplatPath:
                         n = proj.splats.shape[0]
                         g = payloads[q][start:start + n]
                         start += n
-                        c = backprop(proj, g[:, :SPLAT_WIDTH].contiguous(),
-                                     g[:, SPLAT_WIDTH:].contiguous() if self.absgrad else None, self.pool)
+                        full = g.new_zeros((n, SPLAT_WIDTH))  # the columns that did not travel are zeros
+                        full[:, self.grad_columns] = g[:, :cols]
+                        c = backprop(proj, full, g[:, cols:].contiguous() if self.absgrad else None, self.pool)
                         out.append((proj.rows, c.rows))
         return out
 

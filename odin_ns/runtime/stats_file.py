@@ -74,6 +74,8 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "peak_gaussians_resident": [max((r["gaussians_owned"] + r["gaussians_replicated"] for r in records
                                          if r["rank"] == q), default=0) for q in range(world_size)],
         "peak_resident_share": resident_share(records, world_size),
+        "peak_bytes_per_rank": [max((r.get("resident_bytes", 0) for r in records if r["rank"] == q), default=0)
+                                for q in range(world_size)],
         "replicas_over_window": replicas_over_window(records, world_size),
         "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
                                       for q in range(world_size)],

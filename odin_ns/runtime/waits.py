@@ -42,6 +42,9 @@ class StepRecord:
     # bytes sent by what they carry: "P" (reads: rows or splats to the readers), "G" (gradients to the owners)
     bytes_by_kind: Dict[str, int] = field(default_factory=dict)
     remote_pairs: int = 0  # visible (view, Gaussian of another rank) pairs this rank's views rendered
+    # bytes the rank holds for training at the step: owned rows with their two Adam moments, replica rows, and the
+    # step's message buffers (sent and received)
+    resident_bytes: int = 0
     gaussians_owned: int = 0
     gaussians_replicated: int = 0  # replica rows held (the phase's arena)
     gaussians_window: int = 0  # rows of the remote blocks the rank reads in the step's publication window
@@ -72,6 +75,7 @@ class StepRecord:
             "wall_s": self.wall_s, "started": self.started, "cpu_s": self.cpu_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
+            "resident_bytes": self.resident_bytes,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
             "gaussians_window": self.gaussians_window,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
