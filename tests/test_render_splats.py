@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from odin_ns.render import rasterization_cpu
-from odin_ns.render.projection import partition_free
+from odin_ns.render.projection import RowCameras, partition_free
 from odin_ns.render.splats import SPLAT_WIDTH, project_splats, rasterize_splats
 
 W, H = 64, 48
@@ -59,7 +59,7 @@ def test_owners_projections_rasterized_together_are_the_whole_render(mode, rende
     parts = []
     for (a, _), p in zip(zip(cuts, cuts[1:]), owners):
         ids, radii, splats = project_splats(p["means"], p["quats"], p["log_scales"], p["logits"], p["coeffs"],
-                                            s["viewmat"], s["K"], W, H, 3, mode == "antialiased")
+                                            RowCameras.one(s["viewmat"], s["K"], W, H), 3, mode == "antialiased")
         assert splats.shape == (ids.shape[0], SPLAT_WIDTH)
         parts.append((ids + a, radii, splats))
     arrived = [parts[2], parts[0], parts[1]]
@@ -87,7 +87,40 @@ def test_no_visible_splat_renders_background_only():
     s["means"][:, 2] = -5.0  # all behind the camera
     p = leaves(s)
     ids, radii, splats = project_splats(p["means"], p["quats"], p["log_scales"], p["logits"], p["coeffs"],
-                                        s["viewmat"], s["K"], W, H, 3, True)
+                                        RowCameras.one(s["viewmat"], s["K"], W, H), 3, True)
     assert ids.numel() == 0 and splats.shape == (0, SPLAT_WIDTH)
     render, alpha, _ = rasterize_splats(splats, radii, W, H)
     assert not render.any() and not alpha.any()
+
+
+def test_an_owner_projects_several_views_in_one_call_as_one_call_each():
+    """Owners project every view that reads their blocks at a step in one call (one camera per row): the splats
+    and the gradients are those of a call per view."""
+    s = scene(400)
+    vm2 = s["viewmat"].clone()
+    vm2[:3, 3] += torch.tensor([0.5, 0.2, -0.3])
+    views = [(s["viewmat"], torch.arange(0, 300)), (vm2, torch.arange(100, 400))]
+    g = torch.Generator().manual_seed(5)
+    alone, grads_alone = [], []
+    for vm, rows in views:
+        p = leaves(s, rows)
+        ids, radii, splats = project_splats(p["means"], p["quats"], p["log_scales"], p["logits"], p["coeffs"],
+                                            RowCameras.one(vm, s["K"], W, H), 3, True)
+        up = torch.rand(splats.shape, generator=g)
+        splats.backward(up)
+        alone.append((ids, radii, splats.detach(), up))
+        grads_alone.append(torch.cat([p[k].grad.flatten(1) for k in p], 1))
+    rows = torch.cat([r for _, r in views])
+    p = leaves(s, rows)
+    which = torch.repeat_interleave(torch.arange(2), torch.tensor([300, 300]))
+    cams = RowCameras(torch.stack([vm for vm, _ in views])[which], s["K"].expand(600, 3, 3),
+                      torch.tensor([[float(W), float(H)]]).expand(600, 2))
+    ids, radii, splats = project_splats(p["means"], p["quats"], p["log_scales"], p["logits"], p["coeffs"], cams, 3,
+                                        True)
+    n0 = alone[0][0].shape[0]
+    assert torch.equal(ids, torch.cat([alone[0][0], alone[1][0] + 300]))
+    assert torch.equal(radii, torch.cat([alone[0][1], alone[1][1]]))
+    assert torch.equal(splats.detach(), torch.cat([alone[0][2], alone[1][2]]))
+    splats.backward(torch.cat([alone[0][3], alone[1][3]]))
+    together = torch.cat([p[k].grad.flatten(1) for k in p], 1)
+    assert n0 > 50 and torch.equal(together, torch.cat(grads_alone))

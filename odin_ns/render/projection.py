@@ -20,7 +20,7 @@ Added to gsplat's reference:
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,14 +59,36 @@ def _sym(c: List[Tensor], i: int, k: int) -> Tensor:
     return c[_UPPER.index((min(i, k), max(i, k)))]
 
 
-def _project_one(means: Tensor, covar: List[Tensor], viewmat: Tensor, K: Tensor, width: int, height: int,
-                 eps2d: float, near_plane: float, far_plane: float, calc_compensations: bool):
-    """One camera, element-wise: (radius float [N], means2d [N, 2], depth [N], conic [N, 3], compensation [N] or
-    None)."""
-    Rc = viewmat[:3, :3].tolist()
-    t = viewmat[:3, 3].tolist()
+class RowCameras(NamedTuple):
+    """The camera of each row of a projection: one for all rows (k = 1) or one per row (k = N, an owner projecting
+    for several views in one call). viewmats [k, 4, 4] world-to-camera, Ks [k, 3, 3], sizes [k, 2] (width, height),
+    float."""
+
+    viewmats: Tensor
+    Ks: Tensor
+    sizes: Tensor
+
+    @staticmethod
+    def one(viewmat: Tensor, K: Tensor, width: int, height: int) -> "RowCameras":
+        return RowCameras(viewmat.reshape(1, 4, 4), K.reshape(1, 3, 3),
+                          torch.tensor([[float(width), float(height)]], dtype=viewmat.dtype, device=viewmat.device))
+
+    def rows(self, ids: Tensor) -> "RowCameras":
+        """The cameras of rows `ids` (the same camera when there is one for all)."""
+        if self.viewmats.shape[0] == 1:
+            return self
+        return RowCameras(self.viewmats.index_select(0, ids), self.Ks.index_select(0, ids),
+                          self.sizes.index_select(0, ids))
+
+
+def _project_one(means: Tensor, covar: List[Tensor], cam: RowCameras, eps2d: float, near_plane: float,
+                 far_plane: float, calc_compensations: bool):
+    """Element-wise: (radius float [N], means2d [N, 2], depth [N], conic [N, 3], compensation [N] or None), each
+    row with its camera (`cam`: one for all rows or one per row; the same arithmetic either way)."""
+    V, K, S = cam.viewmats.to(means.dtype), cam.Ks.to(means.dtype), cam.sizes.to(means.dtype)
+    Rc = [[V[:, i, j] for j in range(3)] for i in range(3)]
     px, py, pz = means.unbind(-1)
-    mc = [Rc[i][0] * px + Rc[i][1] * py + Rc[i][2] * pz + t[i] for i in range(3)]
+    x, y, z = (Rc[i][0] * px + Rc[i][1] * py + Rc[i][2] * pz + V[:, i, 3] for i in range(3))
     # camera-space covariance Rc C Rc^T (symmetric: upper entries)
     T = [[Rc[a][0] * _sym(covar, 0, k) + Rc[a][1] * _sym(covar, 1, k) + Rc[a][2] * _sym(covar, 2, k)
           for k in range(3)] for a in range(3)]
@@ -75,11 +97,11 @@ def _project_one(means: Tensor, covar: List[Tensor], viewmat: Tensor, K: Tensor,
     def c(a, b):
         return cc[(min(a, b), max(a, b))]
 
-    fx, fy, cx, cy = float(K[0, 0]), float(K[1, 1]), float(K[0, 2]), float(K[1, 2])
+    fx, fy, cx, cy = K[:, 0, 0], K[:, 1, 1], K[:, 0, 2], K[:, 1, 2]
+    width, height = S[:, 0], S[:, 1]
     tan_fovx, tan_fovy = 0.5 * width / fx, 0.5 * height / fy
     lim_x_pos, lim_x_neg = (width - cx) / fx + 0.3 * tan_fovx, cx / fx + 0.3 * tan_fovx
     lim_y_pos, lim_y_neg = (height - cy) / fy + 0.3 * tan_fovy, cy / fy + 0.3 * tan_fovy
-    x, y, z = mc
     tz2 = z * z
     tx = z * torch.clamp(x / z, min=-lim_x_neg, max=lim_x_pos)
     ty = z * torch.clamp(y / z, min=-lim_y_neg, max=lim_y_pos)
@@ -101,25 +123,26 @@ def _project_one(means: Tensor, covar: List[Tensor], viewmat: Tensor, K: Tensor,
     v1 = half + torch.sqrt(torch.clamp(half * half - det, min=0.01))
     radius = torch.ceil(3.0 * torch.sqrt(v1))
     valid = (det > 0) & (z > near_plane) & (z < far_plane)
-    inside = ((means2d[:, 0] + radius > 0) & (means2d[:, 0] - radius < width)
-              & (means2d[:, 1] + radius > 0) & (means2d[:, 1] - radius < height))
+    m2 = means2d.detach()
+    inside = ((m2[:, 0] + radius > 0) & (m2[:, 0] - radius < width)
+              & (m2[:, 1] + radius > 0) & (m2[:, 1] - radius < height))
     radius = torch.where(valid & inside, radius, torch.zeros_like(radius))
     return radius, means2d, z, conic, comp
 
 
-def project_visible(means: Tensor, covar_of, viewmat: Tensor, K: Tensor, width: int, height: int, eps2d: float,
-                    near_plane: float, far_plane: float, radius_clip: float, calc_compensations: bool):
-    """One camera: (ids of the visible Gaussians [n], radii [n] int32, means2d [n, 2], depths [n], conics [n, 3],
-    compensations [n] or None). `covar_of(rows)` gives the covariance entries of those rows (all when None)."""
-    viewmat, K = viewmat.detach().cpu(), K.detach().cpu()
+def project_visible(means: Tensor, covar_of, cam: RowCameras, eps2d: float, near_plane: float, far_plane: float,
+                    radius_clip: float, calc_compensations: bool):
+    """(ids of the visible rows [n], radii [n] int32, means2d [n, 2], depths [n], conics [n, 3], compensations [n]
+    or None). `covar_of(rows)` gives the covariance entries of those rows (all when None)."""
+    cam = RowCameras(*(t.detach() for t in cam))
     with torch.no_grad():
         cov = [t.detach() for t in covar_of(None)]
-        radius = _project_one(means.detach(), cov, viewmat, K, width, height, eps2d, near_plane, far_plane, False)[0]
+        radius = _project_one(means.detach(), cov, cam, eps2d, near_plane, far_plane, False)[0]
         if radius_clip > 0.0:
             radius = torch.where(radius.to(torch.float64) <= radius_clip, torch.zeros_like(radius), radius)
     ids = (radius > 0).nonzero().squeeze(1)
-    _, m2, d, con, comp = _project_one(means.index_select(0, ids), covar_of(ids), viewmat, K, width, height, eps2d,
-                                       near_plane, far_plane, calc_compensations)
+    _, m2, d, con, comp = _project_one(means.index_select(0, ids), covar_of(ids), cam.rows(ids), eps2d, near_plane,
+                                       far_plane, calc_compensations)
     return ids, radius.index_select(0, ids).to(torch.int32), m2, d, con, comp
 
 
@@ -156,8 +179,9 @@ def project(
     covar_of = covariances(quats, scales, covars)
     radii, m2s, ds, cons, comps = [], [], [], [], []
     for c in range(C):
-        ids, r, m2, d, con, comp = project_visible(means, covar_of, viewmats[c], Ks[c], width, height, eps2d,
-                                                   near_plane, far_plane, radius_clip, calc_compensations)
+        cam = RowCameras.one(viewmats[c].detach().cpu(), Ks[c].detach().cpu(), width, height)
+        ids, r, m2, d, con, comp = project_visible(means, covar_of, cam, eps2d, near_plane, far_plane, radius_clip,
+                                                   calc_compensations)
         radii.append(torch.zeros(N, dtype=torch.int32, device=means.device).index_copy(0, ids, r))
         m2s.append(means.new_zeros(N, 2).index_copy(0, ids, m2))
         ds.append(means.new_zeros(N).index_copy(0, ids, d))

@@ -22,47 +22,51 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .projection import RowCameras
+
 SPLAT_WIDTH = 10  # means2d (2), depth, conic (3), opacity, RGB (3)
 MEANS2D, DEPTH, CONIC, OPACITY, RGB = slice(0, 2), 2, slice(3, 6), 6, slice(7, 10)
 
 
 def project_splats(means: Tensor, quats: Tensor, log_scales: Tensor, logit_opacities: Tensor, coeffs: Tensor,
-                   viewmat: Tensor, K: Tensor, width: int, height: int, sh_degree: Optional[int], antialiased: bool,
-                   near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3
-                   ) -> Tuple[Tensor, Tensor, Tensor]:
-    """The visible splats of N Gaussians in one camera (viewmat [4, 4] world-to-camera, K [3, 3]).
+                   cams: RowCameras, sh_degree: Optional[int], antialiased: bool, near_plane: float = 0.01,
+                   far_plane: float = 1e10, eps2d: float = 0.3) -> Tuple[Tensor, Tensor, Tensor]:
+    """The visible splats of N Gaussians, each in its camera (`cams`: one for all, or on the CPU one per row: an
+    owner projects for several views at once).
 
     `coeffs` [N, K, 3] are SH coefficients (DC first) for `sh_degree`, or, with `sh_degree` None, logits of
     the colour ([N, 1, 3], splatfacto's colour without SH). Returns (ids [n]: which of the N are visible, in
     ascending order; radii [n] int32; splats [n, SPLAT_WIDTH], differentiable w.r.t. the inputs)."""
     if means.is_cuda:
-        return _project_cuda(means, quats, log_scales, logit_opacities, coeffs, viewmat, K, width, height,
-                             sh_degree, antialiased, near_plane, far_plane, eps2d)
+        return _project_cuda(means, quats, log_scales, logit_opacities, coeffs, cams, sh_degree, antialiased,
+                             near_plane, far_plane, eps2d)
     from .projection import covariances, partition_free, project_visible
     from .sh import sh_rgb
 
     scales = partition_free(torch.exp, log_scales)
     ids, radii, m2, depth, conic, comp = project_visible(
-        means, covariances(quats, scales, None), viewmat, K, width, height, eps2d, near_plane, far_plane, 0.0,
-        antialiased)
+        means, covariances(quats, scales, None), cams, eps2d, near_plane, far_plane, 0.0, antialiased)
     opacity = partition_free(torch.sigmoid, logit_opacities.index_select(0, ids).reshape(-1))
     if comp is not None:
         opacity = opacity * comp
     if sh_degree is None:
         rgb = partition_free(torch.sigmoid, coeffs.index_select(0, ids)[:, 0, :])
     else:
-        campos = torch.inverse(viewmat.detach())[:3, 3].to(means.device)
+        campos = torch.inverse(cams.rows(ids).viewmats.detach())[:, :3, 3].to(means.device)
         rgb = sh_rgb(sh_degree, means.index_select(0, ids) - campos, coeffs.index_select(0, ids))
     return ids, radii, torch.cat([m2, depth[:, None], conic, opacity[:, None], rgb], dim=1)
 
 
-def _project_cuda(means, quats, log_scales, logit_opacities, coeffs, viewmat, K, width, height, sh_degree,
-                  antialiased, near_plane, far_plane, eps2d):
+def _project_cuda(means, quats, log_scales, logit_opacities, coeffs, cams, sh_degree, antialiased, near_plane,
+                  far_plane, eps2d):
     """gsplat's projection and SH kernels, packed (only visible pairs), one camera."""
     from gsplat.cuda._wrapper import fully_fused_projection, spherical_harmonics
 
+    if cams.viewmats.shape[0] != 1:
+        raise ValueError("on CUDA, project_splats takes one camera for all rows (gsplat's kernels)")
+    width, height = (int(v) for v in cams.sizes[0].tolist())
     _, ids, radii, m2, depth, conic, comp = fully_fused_projection(
-        means, None, quats, torch.exp(log_scales), viewmat[None], K[None], width, height, eps2d=eps2d,
+        means, None, quats, torch.exp(log_scales), cams.viewmats, cams.Ks, width, height, eps2d=eps2d,
         near_plane=near_plane, far_plane=far_plane, packed=True, calc_compensations=antialiased)
     opacity = torch.sigmoid(logit_opacities.reshape(-1))[ids]
     if comp is not None:
@@ -70,7 +74,7 @@ def _project_cuda(means, quats, log_scales, logit_opacities, coeffs, viewmat, K,
     if sh_degree is None:
         rgb = torch.sigmoid(coeffs[ids, 0, :])
     else:
-        campos = torch.inverse(viewmat)[:3, 3]
+        campos = torch.inverse(cams.viewmats[0])[:3, 3]
         rgb = torch.clamp_min(spherical_harmonics(sh_degree, means[ids] - campos, coeffs[ids]) + 0.5, 0.0)
     return ids.long(), radii.to(torch.int32), torch.cat([m2, depth[:, None], conic, opacity[:, None], rgb], dim=1)
 

@@ -27,7 +27,7 @@ from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import num_sh_bases
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from odin_ns.render.projection import project
+from odin_ns.render.projection import RowCameras, project
 from odin_ns.render.viewmat import get_viewmat
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.boundary import PhaseBoundary
@@ -40,7 +40,7 @@ from odin_ns.runtime.owned_versions import OwnedVersions
 from odin_ns.runtime.owner_update import Contribution
 from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.splat_path import SplatPath
-from odin_ns.runtime.view_projection import Camera, backprop, project_rows
+from odin_ns.runtime.view_projection import backprop, project_rows
 from odin_ns.runtime.sharded import (PARAM_NAMES, ShardedGaussians, pack_params, packed_rows, param_columns,
                                      unpack_params)
 from odin_ns.runtime.transport import RECORD_ENV
@@ -391,10 +391,10 @@ class OdinEngine(PhaseBoundary):
     def _owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return packed_rows(self.model.gauss_params, rows)
 
-    def _camera(self, step: int, view: int) -> Camera:
-        """A training view's camera at the resolution step `step` renders with."""
+    def _camera(self, step: int, view: int) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+        """A training view's camera at the resolution step `step` renders with: (viewmat [4, 4], K [3, 3], W, H)."""
         viewmat, K, W, H = self._projection(view, self.model.downscale_at(step))
-        return Camera(viewmat[0].to(self.device), K[0].to(self.device), W, H)
+        return viewmat[0].to(self.device), K[0].to(self.device), W, H
 
     # ---- one step: the seams run the step's part of the program ------------------------------------------------
 
@@ -461,26 +461,27 @@ class OdinEngine(PhaseBoundary):
         loss = loss_dict = metrics_dict = None
         sh_degree, antialiased = model.sh_degree_at(step), model.config.rasterize_mode == "antialiased"
         for j, view in enumerate(views):
-            cam = self._camera(step, view)
+            viewmat, K, width, height = self._camera(step, view)
             with self.log.computing():
                 if self.splats is not None:
-                    splats, radii, routing, own = self.splats.view_splats(step, j)
+                    splats, radii, routing = self.splats.view_splats(step, j)
                     ids = self.plan.view_reads(step, me)[j] + self.runtime.extras_self.get(step, {}).get(j, [])
                 else:
                     rows, ids = runtime.view_rows(step, j, owned, own_current)
-                    proj = project_rows(rows, self.num_rest, cam, sh_degree, antialiased)
+                    proj = project_rows(rows, self.num_rest, RowCameras.one(viewmat, K, width, height), sh_degree,
+                                        antialiased)
                     splats, radii = proj.splats.detach().requires_grad_(), proj.radii
                 view_ids.append(ids)
                 model.training_background = self._background(step, me * self.schedule.micro_batch + j)
                 camera, batch = self.datamanager.train_view(view)
-                outputs = model.outputs_from_splats(splats, radii, cam.width, cam.height, camera)
+                outputs = model.outputs_from_splats(splats, radii, width, height, camera)
                 metrics_dict = model.get_metrics_dict(outputs, batch)
                 loss_dict = model.get_loss_dict(outputs, batch, metrics_dict)
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
                 if self.splats is not None:
-                    self.splats.after_backward(step, j, routing, own, model.splat_means2d)
+                    self.splats.after_backward(step, j, routing, model.splat_means2d)
                 else:
                     grads = splats.grad if splats.grad is not None else torch.zeros_like(splats)
                     absgrad = model.splat_means2d.absgrad if model.strategy.absgrad else None

@@ -4,7 +4,7 @@ Both data paths render through it. On the splat path an owner projects the rows 
 own views and its readers'), keeps the graph, and turns the splats' gradients into the view's contribution when
 they come back; on the row path a reader projects every row its view reads at once. The projection of a Gaussian
 does not depend on which others share the call (render/projection.py), so both give the same contributions, bit
-for bit, whatever the rank count.
+for bit, whatever the rank count (and whether the views' rows go in one call or one call each).
 
 A contribution is [M, D + 3]: the gradient of each of the M rows' packed parameters, then gsplat's densification
 statistics of the row in this view (DefaultStrategy's `_update_state`: the norm of the screen-space gradient
@@ -18,18 +18,10 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 from odin_ns.buffers import BufferPool
+from odin_ns.render.projection import RowCameras
 from odin_ns.render.splats import MEANS2D, project_splats
 from odin_ns.runtime.owner_update import MAY_BE_ZERO, Contribution
 from odin_ns.runtime.sharded import PARAM_NAMES, unpack_params
-
-
-class Camera(NamedTuple):
-    """One training view at one step's resolution: world-to-camera [4, 4], intrinsics [3, 3], size."""
-
-    viewmat: torch.Tensor
-    K: torch.Tensor
-    width: int
-    height: int
 
 
 class ViewProjection(NamedTuple):
@@ -39,21 +31,20 @@ class ViewProjection(NamedTuple):
     ids: torch.Tensor  # [n] which of the M rows are visible (ascending)
     radii: torch.Tensor  # [n] int32
     splats: torch.Tensor  # [n, SPLAT_WIDTH], the graph back to the leaves
-    camera: Camera
-    rows: Optional[torch.Tensor] = None  # [M] the rows' indices among the owner's rows (the splat path)
+    sizes: torch.Tensor  # [n or 1, 2] the image size (width, height) of each splat's view
 
 
-def project_rows(rows: torch.Tensor, num_rest: int, camera: Camera, sh_degree: Optional[int],
+def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree: Optional[int],
                  antialiased: bool) -> ViewProjection:
-    """Project packed rows [M, D] (a copy is made: the leaves) for one camera."""
+    """Project packed rows [M, D] (a copy is made: the leaves), each in its camera (one for all rows, or one per
+    row: an owner projects for every view that reads its blocks at a step in one call)."""
     leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, num_rest).items()}
     coeffs = torch.cat([leaves["features_dc"][:, None, :], leaves["features_rest"]], dim=1)
     if sh_degree is None:
         coeffs = coeffs[:, :1]
     ids, radii, splats = project_splats(leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"],
-                                        coeffs, camera.viewmat, camera.K, camera.width, camera.height, sh_degree,
-                                        antialiased)
-    return ViewProjection(leaves, ids, radii, splats, camera)
+                                        coeffs, cams, sh_degree, antialiased)
+    return ViewProjection(leaves, ids, radii, splats, cams.rows(ids).sizes.to(splats.dtype))
 
 
 def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor],
@@ -82,11 +73,11 @@ def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.
                 used[g] = torch.count_nonzero(grad) > 0
         col += w
     g2d = absgrad if absgrad is not None else grads[:, MEANS2D]
-    cam = view.camera
-    gx, gy = g2d[:, 0] * (cam.width / 2.0), g2d[:, 1] * (cam.height / 2.0)  # one camera
+    w, h = view.sizes[:, 0], view.sizes[:, 1]
+    gx, gy = g2d[:, 0] * (w / 2.0), g2d[:, 1] * (h / 2.0)  # gsplat's scale, one camera per view
     stats = out[:, width:]
     stats.zero_()
     stats[:, 0].index_copy_(0, view.ids, torch.sqrt(gx * gx + gy * gy))
     stats[:, 1].index_fill_(0, view.ids, 1.0)
-    stats[:, 2].index_copy_(0, view.ids, view.radii.to(out.dtype) / float(max(cam.width, cam.height)))
+    stats[:, 2].index_copy_(0, view.ids, view.radii.to(out.dtype) / torch.maximum(w, h))
     return Contribution(out, used)
