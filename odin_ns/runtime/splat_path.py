@@ -71,20 +71,22 @@ class SplatPath:
         self.plan, self.owner, self.count = plan, table.owner, table.count
         self.home_start = home_start
         self.global_start = torch.cumsum(self.count, 0) - self.count
+        self.mine = self.owner == self.env.rank
         self.extras_out, self.extras_self = extras_out, extras_self
 
     # ---- the owner's projections ---------------------------------------------------------------------------
 
-    def own_blocks(self, step: int, reader: int, slot: int) -> List[int]:
-        """This rank's blocks that view `slot` of `reader` renders at `step`: its read set's, and any added after
-        a detected miss (ascending)."""
+    def own_blocks(self, step: int, reader: int, slot: int) -> torch.Tensor:
+        """This rank's blocks that view `slot` of `reader` renders at `step`: its read set's (from the plan's read
+        mask), and any added after a detected miss (ascending)."""
         me = self.env.rank
-        blocks = [b for b in self.plan.view_reads(step, reader)[slot] if int(self.owner[b]) == me]
-        if reader == me:
-            blocks += self.extras_self.get(step, {}).get(slot, [])
-        else:
-            blocks += [b for j, b in self.extras_out.get(step, {}).get(reader, []) if j == slot]
-        return sorted(set(blocks))
+        mask = self.plan.read_mask[step - self.plan.start, reader, slot] & self.mine
+        extra = (self.extras_self.get(step, {}).get(slot, []) if reader == me else
+                 [b for j, b in self.extras_out.get(step, {}).get(reader, []) if j == slot])
+        if extra:  # rare: blocks that left their planned bounds
+            mask = mask.clone()
+            mask[torch.tensor(extra, dtype=torch.int64)] = True
+        return torch.nonzero(mask).flatten()
 
     def prepare(self, step: int) -> StepProjection:
         """Project this rank's blocks for every view of `step` that reads them, in one call (once per step: at the
@@ -95,10 +97,11 @@ class SplatPath:
         readers = set(plan.readers(step, me))
         pairs = [(q, j) for q in range(plan.num_ranks) if q == me or q in readers
                  for j in range(len(plan.rank_views(step, q)))]
-        blocks = [torch.tensor(self.own_blocks(step, q, j), dtype=torch.int64) for q, j in pairs]
-        per_pair = [int(self.count[b].sum()) for b in blocks]
+        blocks = [self.own_blocks(step, q, j) for q, j in pairs]
         block_ids = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
-        counts, total = self.count[block_ids], sum(per_pair)
+        counts = self.count[block_ids]
+        per_pair = torch.stack([self.count[b].sum() for b in blocks]).tolist() if blocks else []  # CPU tensors
+        total = sum(per_pair)
         rows = expand_ranges(self.home_start[block_ids], counts, total).to(self.device)
         keys = expand_ranges(self.global_start[block_ids], counts, total).to(self.device)
         cams = [self.camera(step, plan.rank_views(step, q)[j]) for q, j in pairs]
