@@ -196,6 +196,7 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "mean_blocks_read": s["mean_blocks_read"], "mean_blocks_total": s["mean_blocks_total"],
             "peak_resident_share": s.get("peak_resident_share", []),
             "peak_bytes_per_rank": s.get("peak_bytes_per_rank", []),
+            "peak_bytes_share": s.get("peak_bytes_share", []),
             "bytes_per_pair": (s.get("bytes_per_pair_to_reader"), s.get("bytes_per_pair_back")),
             "replicas_over_window": s.get("replicas_over_window", []),
             "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
@@ -241,7 +242,8 @@ def print_table(rows: List[Dict], title: str) -> None:
                       "-" if r["bytes_per_pair"][0] is None else "/".join(f"{x:.0f}" for x in r["bytes_per_pair"]),
                       "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " (" +
                       "/".join(f"{x:.2f}" for x in r["replicas_over_window"]) + "x) " +
-                      "/".join(f"{x / 1e6:.1f}" for x in r["peak_bytes_per_rank"]) + " MB",
+                      "/".join(f"{x / 1e6:.1f}" for x in r["peak_bytes_per_rank"]) + " MB = " +
+                      "/".join(f"{x:.0%}" for x in r["peak_bytes_share"]),
                       f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
                       "-" if not r.get("replayed_wall_s") else
                       f"{r['replayed_wall_s']:.1f} ({r['replayed_wall_s'] / r['wall_s'] - 1:+.0%})",
@@ -256,7 +258,7 @@ def print_table(rows: List[Dict], title: str) -> None:
           "readers / back to the owners. 'resident': per rank, the largest share of the model it held at a step "
           "(owned + replicas), in brackets the replicas it held in a phase over the most remote rows its views "
           "read in one window of the phase, then its peak bytes (owned rows with Adam's moments, replicas, the "
-          "step's messages). 'stale/refused': block reads "
+          "step's messages) and their share of one process's (every row with Adam's moments). 'stale/refused': block reads "
           "admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
           "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 

@@ -509,7 +509,8 @@ class OdinEngine(PhaseBoundary):
             with self.ops.paused():  # a phase boundary is not a step's work
                 self._end_phase(step, optimizers)
         record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
-        record.resident_bytes = (4 * self.width * (3 * record.gaussians_owned + record.gaussians_replicated)
+        record.row_bytes = 4 * self.width
+        record.resident_bytes = (record.row_bytes * (3 * record.gaussians_owned + record.gaussians_replicated)
                                  + record.bytes_sent + record.bytes_received)
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0

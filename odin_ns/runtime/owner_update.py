@@ -17,11 +17,11 @@ A row no view touched is not read or written, moments included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from odin_ns.buffers import BufferPool, kept_rows
+from odin_ns.buffers import kept_rows
 from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
 from odin_ns.scene.block_refine import STATE_KEYS
 
@@ -114,43 +114,3 @@ class Contribution(NamedTuple):
 
     rows: torch.Tensor
     used: torch.Tensor
-
-
-def contribution_rows(leaves: Dict[str, torch.Tensor], info: Dict, absgrad: bool,
-                      pool: Optional[BufferPool] = None) -> Contribution:
-    """One view's contribution: its gradient of every Gaussian it rendered (packed as the parameters), and gsplat's
-    densification statistics (screen-space gradient norm, visible 0/1, normalized radius), written into one
-    buffer (from `pool`, if given: handed back there once sent). Whether the SH coefficients' gradient is all zero
-    is counted on it as autograd left it (contiguous: a cheap reduction, where one over the packed buffer's
-    columns is not)."""
-    m = leaves["means"].shape[0]
-    widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
-              for n in PARAM_NAMES]
-    width = sum(widths)
-    dtype, device = leaves["means"].dtype, leaves["means"].device
-    out = pool.take(m, width + 3, dtype, device) if pool is not None else torch.empty((m, width + 3), dtype=dtype,
-                                                                                      device=device)
-    used = torch.ones(len(PARAM_NAMES) + 1, dtype=torch.bool, device=device)  # the statistics travel always
-    col = 0
-    for g, (n, w) in enumerate(zip(PARAM_NAMES, widths)):
-        grad = leaves[n].grad
-        if grad is None:
-            out[:, col:col + w] = 0
-            used[g] = False
-        else:
-            out[:, col:col + w] = grad.reshape(m, w)
-            if n in MAY_BE_ZERO:
-                used[g] = torch.count_nonzero(grad) > 0
-        col += w
-    means2d = info["means2d"]
-    g2d = means2d.absgrad if absgrad else means2d.grad
-    g2d = g2d.clone() if g2d is not None else torch.zeros_like(means2d)
-    g2d[..., 0] *= info["width"] / 2.0 * info["n_cameras"]  # gsplat's DefaultStrategy._update_state
-    g2d[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
-    radii = info["radii"][0]
-    visible = radii > 0
-    # Tensor.norm's values, bit for bit, without its Python dispatch (about a tenth less at 4k-40k rows)
-    out[:, width] = torch.linalg.vector_norm(g2d[0], dim=-1).masked_fill_(~visible, 0.0)
-    out[:, width + 1] = visible.to(out.dtype)
-    out[:, width + 2] = (radii / float(max(info["width"], info["height"]))).to(out.dtype)
-    return Contribution(out, used)

@@ -76,6 +76,7 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "peak_resident_share": resident_share(records, world_size),
         "peak_bytes_per_rank": [max((r.get("resident_bytes", 0) for r in records if r["rank"] == q), default=0)
                                 for q in range(world_size)],
+        "peak_bytes_share": bytes_share(records, world_size),
         "replicas_over_window": replicas_over_window(records, world_size),
         "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
                                       for q in range(world_size)],
@@ -103,6 +104,17 @@ def bytes_per_pair(records: List[dict]) -> Dict[str, float | None]:
         return sum(r.get("bytes_by_kind", {}).get(kind, 0) for r in records) / pairs if pairs else None
 
     return {"remote_pairs": pairs, "bytes_per_pair_to_reader": per("P"), "bytes_per_pair_back": per("G")}
+
+
+def bytes_share(records: List[dict], world_size: int) -> List[float]:
+    """Per rank, the largest ratio over its steps of the bytes it held (`resident_bytes`) to what one process
+    training the same model holds at that step: every row's parameters with Adam's two moments."""
+    model: Dict[int, int] = {}
+    for r in records:
+        model[r["step"]] = model.get(r["step"], 0) + r["gaussians_owned"]
+    return [max((r["resident_bytes"] / (3 * r["row_bytes"] * model[r["step"]]) for r in records
+                 if r["rank"] == q and model.get(r["step"]) and r.get("row_bytes")), default=0.0)
+            for q in range(world_size)]
 
 
 def resident_share(records: List[dict], world_size: int) -> List[float]:

@@ -45,6 +45,7 @@ class StepRecord:
     # bytes the rank holds for training at the step: owned rows with their two Adam moments, replica rows, and the
     # step's message buffers (sent and received)
     resident_bytes: int = 0
+    row_bytes: int = 0  # bytes of one Gaussian's packed parameters (one process holds 3x that per Gaussian with Adam)
     gaussians_owned: int = 0
     gaussians_replicated: int = 0  # replica rows held (the phase's arena)
     gaussians_window: int = 0  # rows of the remote blocks the rank reads in the step's publication window
@@ -75,7 +76,7 @@ class StepRecord:
             "wall_s": self.wall_s, "started": self.started, "cpu_s": self.cpu_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
-            "resident_bytes": self.resident_bytes,
+            "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
             "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
             "gaussians_window": self.gaussians_window,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
