@@ -49,8 +49,9 @@ class SplatPath:
     view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `packed_rows(rows)` the owned rows'
     current packed parameters."""
 
-    def __init__(self, env, log, device, model, num_rest: int, channels, camera, packed_rows, pool) -> None:
+    def __init__(self, env, log, device, model, num_rest: int, channels, camera, packed_rows, pool, ops) -> None:
         self.env, self.log, self.device, self.model = env, log, device, model
+        self.ops = ops  # the runtime's operation count (odin-bench scale): an owner's projection is render work
         self.num_rest = num_rest
         self.channels = channels
         self.camera = camera
@@ -141,7 +142,7 @@ class SplatPath:
     def publish(self, update: int, readers: Sequence[int]) -> None:
         """P: the splats of this rank's blocks for every view of each reader at step update+1."""
         step, sends = update + 1, []
-        with self.log.computing():  # an owner's projection for its readers counts as render
+        with self.log.computing(), self.ops.paused():  # an owner's projection for its readers counts as render
             sp = self.prepare(step)
         splats = sp.proj.splats.detach()
         radii = sp.proj.radii.to(torch.int32).view(torch.float32)[:, None]
@@ -251,7 +252,7 @@ class SplatPath:
                 grads[a:b, self.grad_columns] = g[:, :cols]  # the columns that did not travel stay zero
                 if absgrad is not None:
                     absgrad[a:b] = g[:, cols:]
-        with self.log.computing():  # the backward of an owner's projections counts as render
+        with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
             out = backprop(sp.proj, grads, absgrad, self.pool).rows
         return [(sp.rows[a:b], out[a:b]) for a, b in sp.row_spans]
 
