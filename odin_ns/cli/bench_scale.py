@@ -113,8 +113,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"odin-bench scale: {method}, {size} Gaussians, block size {block_size}, 2 ranks, "
                           f"{args.steps} steps", flush=True)
                     out = Path(tmp) / f"{method}-{size}-{block_size}"
-                    run = run_training(2, method, ["--max-num-iterations", str(args.steps),
-                                                   "--pipeline.view-order", "odin"] + city_args(size, block_size),
+                    # --steps counts steps (the recipe would count views: a step of 2 ranks trains 2)
+                    run = run_training(2, method, ["--max-num-iterations", str(args.steps), "--pipeline.recipe",
+                                                   "steps", "--pipeline.view-order", "odin"]
+                                       + city_args(size, block_size),
                                        out, method, "odin", env=env)
                     stats = {"summary": run["summary"], "steps": run["records"]}
                     rows.append({"method": method, "size": size, "block_size": block_size,
