@@ -1,7 +1,7 @@
 """`odin-bench scale`: the runtime's own cost per step as the scene grows, against the floor of a plain Adam step.
 
     odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--steps 40] [--count-steps 4]
-                     [--policies odin-barrier,odin] [--json FILE]
+                     [--policies odin-barrier,odin] [--json FILE] [-- NS-TRAIN ARGS]
 
 For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
 densification off, so the count stays) under each policy, one after the other in this invocation. From each run's
@@ -97,6 +97,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--count-steps", type=int, default=4, help="last steps whose operations are counted")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("extra", nargs=argparse.REMAINDER,
+                    help="after --: ns-train arguments for every run (e.g. --pipeline.data-path rows)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -116,7 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     # --steps counts steps (the recipe would count views: a step of 2 ranks trains 2)
                     run = run_training(2, method, ["--max-num-iterations", str(args.steps), "--pipeline.recipe",
                                                    "steps", "--pipeline.view-order", "odin"]
-                                       + city_args(size, block_size),
+                                       + [a for a in args.extra if a != "--"] + city_args(size, block_size),
                                        out, method, "odin", env=env)
                     stats = {"summary": run["summary"], "steps": run["records"]}
                     rows.append({"method": method, "size": size, "block_size": block_size,
