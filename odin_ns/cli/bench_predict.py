@@ -86,21 +86,47 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
     target = gaussians or SCENE_SIZE[scene][0]
     scale = target / max(sum(preview.block_counts), 1)
     plans = preview.policy_plans()
-    by_path = {path: predictions(plans, gpu_costs(preview.plans, preview.gaussians_read, preview.pixels,
-                                                  preview.block_counts, scale, GPUS[gpu], link_named(link),
-                                                  preview.visible, path))
-               for path in (RUNTIME_PATHS if data_path == "runtime" else (data_path,))}
+    costs = {path: gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
+                             GPUS[gpu], link_named(link), preview.visible, path)
+             for path in (RUNTIME_PATHS if data_path == "runtime" else (data_path,))}
+    by_path = {path: predictions(plans, c) for path, c in costs.items()}
     pred = by_path[data_path] if data_path != "runtime" else runtime_mix(by_path)
+    barrier_path = "splats" if data_path == "runtime" else data_path
+    peak = peak_bytes(plans[BARRIER], costs[barrier_path], scale)
     views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
         p["ideal_speedup"] = pred[BARRIER]["wall_s"] / p["ideal_s"]
     return {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
             "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "data_path": data_path,
-            "policies": pred}
+            "policies": pred, "peak_bytes_per_rank": max(peak), "one_gpu_bytes": ROW_BYTES * 3 * target}
 
 
 RUNTIME_PATHS = ("splats", "rows")
+ROW_BYTES = 4 * 59  # a Gaussian's packed parameters at SH degree 3 (Adam's two moments hold the same again twice)
+
+
+def peak_bytes(plans, costs, scale: float) -> List[float]:
+    """Per rank, the most bytes it holds at a step of the replay: its owned rows with Adam's two moments, plus the
+    step's messages it sends and receives (as the data path prices them). On the splat path nothing else: no rank
+    holds another rank's rows."""
+    R = plans[0].num_ranks
+    peak = [0.0] * R
+    for plan in plans:
+        owned = [0.0] * R
+        for o, n in zip(plan.owner, plan.counts):
+            owned[o] += n
+        messages: Dict = {}
+        for r in range(R):
+            for a in plan.actions(r):
+                if a.kind in ("P", "G"):
+                    size = costs.message_bytes(r, a)
+                    for who in (r, a.peer):
+                        messages[(a.step, who)] = messages.get((a.step, who), 0.0) + size
+        for r in range(R):
+            most = max((v for (_, who), v in messages.items() if who == r), default=0.0)
+            peak[r] = max(peak[r], 3 * ROW_BYTES * scale * owned[r] + most)
+    return peak
 
 
 def runtime_mix(by_path: Dict[str, Dict]) -> Dict:
@@ -141,7 +167,7 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
     table = Table(title=f"predicted: {gpu} GPUs, {link} link, {mb} view(s) per rank per step, messages of {path}; "
                         "views/s and against odin-barrier")
     for col in ("ranks", "scene", "Gaussians", "blocks", "policy", "views/s", "speed-up", "ideal", "wait hidden",
-                f"{views} views in", "vs 1 GPU"):
+                f"{views} views in", "vs 1 GPU", "peak GB/rank"):
         table.add_column(col, justify="right")
     for r in rows:
         for name, p in r["policies"].items():
@@ -149,8 +175,13 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
                           f"{p['views_per_s']:.1f}", f"{p['speedup']:.2f}x", f"{p['ideal_speedup']:.2f}x",
                           "-" if name == BARRIER else f"{p['wait_hidden']:.0%}",
                           f"{p['time_to_views_s'] / 60:.1f} min",
-                          "-" if p.get("speedup_over_one_gpu") is None else f"{p['speedup_over_one_gpu']:.2f}x")
+                          "-" if p.get("speedup_over_one_gpu") is None else f"{p['speedup_over_one_gpu']:.2f}x",
+                          "-" if name != BARRIER or "peak_bytes_per_rank" not in r else
+                          f"{r['peak_bytes_per_rank'] / 1e9:.2f} "
+                          f"({r['peak_bytes_per_rank'] / r['one_gpu_bytes']:.0%})")
     Console(width=180).print(table)
+    print("peak GB/rank: the most a rank of odin-barrier holds at a step of the replay (owned rows with Adam's "
+          "moments and the step's messages), and its share of one GPU holding the whole model with its moments.")
     if any(r["ranks"] == 1 for r in rows):
         print(f"vs 1 GPU: views/s over the same scene replayed on one rank; the recipe counts views, so this is the "
               f"speed-up in time to the same training. {PEERS}.")
