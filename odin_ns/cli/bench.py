@@ -258,8 +258,8 @@ def print_table(rows: List[Dict], title: str) -> None:
           "readers / back to the owners. 'resident': per rank, the largest share of the model it held at a step "
           "(owned + replicas), in brackets the replicas it held in a phase over the most remote rows its views "
           "read in one window of the phase, then its peak bytes (owned rows with Adam's moments, replicas, the "
-          "step's messages) and their share of one process's (every row with Adam's moments). 'stale/refused': block reads "
-          "admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
+          "step's messages) and their share of one process's (every row with Adam's moments). 'stale/refused': "
+          "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
           "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 
 
