@@ -5,8 +5,8 @@ unchanged) with three differences from splatfacto:
 - no hard-coded CUDA: tensors follow the model's device, and rendering goes through `odin_ns.render`
   (gsplat's kernels on CUDA, the PyTorch rasterizer elsewhere);
 - no network at construction: LPIPS is measured only when its AlexNet weights are already on disk;
-- the Gaussians that one step renders come from `gaussians_for_view`, which the distributed pipeline points at
-  the owned blocks plus the replicas of the view's read set; alone, it is the whole model.
+- a training view is rendered from splats (`outputs_from_splats`: the owners project their Gaussians, the view's
+  rank rasterizes); `get_outputs` (evaluation, the viewer) renders the Gaussians of `gaussians_for_view`.
 Training steps are run by `odin_ns.runtime.engine.OdinEngine` (sharding, selective Adam, block-wise densification).
 """
 
@@ -114,7 +114,6 @@ class OdinModel(SplatfactoModel):
         self._populate_common()
         self.gauss_params = torch.nn.ParameterDict(gauss_params)
         self.engine = None  # the distributed engine (odin_ns.runtime.engine), attached by the pipeline for training
-        self.render_params: Optional[Dict[str, torch.Tensor]] = None  # set by the engine around a training view
         self.full_snapshot: Optional[Dict[str, torch.Tensor]] = None  # the whole model, on rank 0 of several
         self.snapshot_owners: Optional[torch.Tensor] = None  # the owning rank of each row of the snapshot
         self.colour_by_owner = False  # the viewer's toggle: draw the snapshot in its owners' colours
@@ -172,11 +171,9 @@ class OdinModel(SplatfactoModel):
     def gaussians_for_view(self, camera: Cameras) -> Dict[str, torch.Tensor]:
         """The Gaussian parameters a view renders.
 
-        In training, the engine's leaves for the view's read set; outside training on one of several ranks, the
-        last gathered snapshot of the whole model; otherwise this process's Parameters (the whole model alone).
+        Outside training on one of several ranks, the last gathered snapshot of the whole model; otherwise this
+        process's Parameters (the whole model alone).
         """
-        if self.training and self.render_params is not None:
-            return self.render_params
         if not self.training and self.full_snapshot is not None:
             if self.colour_by_owner and self.snapshot_owners is not None:
                 return self._coloured_by_owner()
@@ -295,6 +292,12 @@ class OdinModel(SplatfactoModel):
         if self.training:
             self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step,
                                             self.info)
+        return self._compose_outputs(render, alpha, camera, W, H, render_mode)
+
+    def _compose_outputs(self, render: torch.Tensor, alpha: torch.Tensor, camera: Cameras, W: int, H: int,
+                         render_mode: str) -> Dict[str, Union[torch.Tensor, list]]:
+        """Splatfacto's outputs from a rasterized image: over the background, the bilateral grid in training, the
+        expected depth."""
         background = self._get_background_color()
         rgb = torch.clamp(render[:, ..., :3] + (1 - alpha) * background, 0.0, 1.0)
         if self.config.use_bilateral_grid and self.training:
@@ -331,15 +334,7 @@ class OdinModel(SplatfactoModel):
         render_mode = self.training_render_mode()
         render, alpha, self.splat_means2d = rasterize_splats(splats, radii, width, height, render_mode,
                                                              absgrad=self.strategy.absgrad)
-        background = self._get_background_color()
-        rgb = torch.clamp(render[:, ..., :3] + (1 - alpha) * background, 0.0, 1.0)
-        if self.config.use_bilateral_grid and camera.metadata is not None and "cam_idx" in camera.metadata:
-            rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], height, width)
-        depth_im = None
-        if render_mode == "RGB+ED":
-            depth_im = render[:, ..., 3:4]
-            depth_im = torch.where(alpha > 0, depth_im, depth_im.detach().max()).squeeze(0)
-        return {"rgb": rgb.squeeze(0), "depth": depth_im, "accumulation": alpha.squeeze(0), "background": background}
+        return self._compose_outputs(render, alpha, camera, width, height, render_mode)
 
     def get_image_metrics_and_images(self, outputs, batch):
         """Splatfacto's metrics; LPIPS only when its weights were available locally (see `lpips_weights_available`)."""

@@ -188,10 +188,6 @@ def project(
         cons.append(means.new_zeros(N, 3).index_copy(0, ids, con))
         if calc_compensations:
             comps.append(means.new_zeros(N).index_copy(0, ids, comp))
-    if not C:
-        empty = means.new_zeros(0, N)
-        return empty.to(torch.int32), means.new_zeros(0, N, 2), empty, means.new_zeros(0, N, 3), \
-            (empty if calc_compensations else None)
     return (
         torch.stack(radii),
         torch.stack(m2s),

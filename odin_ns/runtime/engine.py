@@ -253,7 +253,7 @@ class OdinEngine(PhaseBoundary):
                                    list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
         self.splats = SplatPath(self.env, self.log, self.device, self.model, self.num_rest, self.runtime.channels,
-                                self._camera, self._owned_rows, None, self.ops) if self.splat_data else None
+                                self._camera, self._owned_rows, self.ops) if self.splat_data else None
         self.plan = None
 
     # ---- phases ---------------------------------------------------------------------------------------------

@@ -49,14 +49,13 @@ class SplatPath:
     view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `packed_rows(rows)` the owned rows'
     current packed parameters."""
 
-    def __init__(self, env, log, device, model, num_rest: int, channels, camera, packed_rows, pool, ops) -> None:
+    def __init__(self, env, log, device, model, num_rest: int, channels, camera, packed_rows, ops) -> None:
         self.env, self.log, self.device, self.model = env, log, device, model
         self.ops = ops  # the runtime's operation count (odin-bench scale): an owner's projection is render work
         self.num_rest = num_rest
         self.channels = channels
         self.camera = camera
         self.packed_rows = packed_rows
-        self.pool = pool
         self.absgrad = bool(model.strategy.absgrad)
         self.antialiased = model.config.rasterize_mode == "antialiased"
         # the splat columns whose gradient travels back: the depth's only when the render uses it (expected depth)
@@ -253,7 +252,7 @@ class SplatPath:
                 if absgrad is not None:
                     absgrad[a:b] = g[:, cols:]
         with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
-            out = backprop(sp.proj, grads, absgrad, self.pool).rows
+            out = backprop(sp.proj, grads, absgrad).rows
         return [(sp.rows[a:b], out[a:b]) for a, b in sp.row_spans]
 
     def forget_step(self, step: int) -> None:

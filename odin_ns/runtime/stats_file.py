@@ -106,12 +106,18 @@ def bytes_per_pair(records: List[dict]) -> Dict[str, float | None]:
     return {"remote_pairs": pairs, "bytes_per_pair_to_reader": per("P"), "bytes_per_pair_back": per("G")}
 
 
-def bytes_share(records: List[dict], world_size: int) -> List[float]:
-    """Per rank, the largest ratio over its steps of the bytes it held (`resident_bytes`) to what one process
-    training the same model holds at that step: every row's parameters with Adam's two moments."""
+def model_rows(records: List[dict]) -> Dict[int, int]:
+    """The whole model's rows at each step: every rank's owned rows."""
     model: Dict[int, int] = {}
     for r in records:
         model[r["step"]] = model.get(r["step"], 0) + r["gaussians_owned"]
+    return model
+
+
+def bytes_share(records: List[dict], world_size: int) -> List[float]:
+    """Per rank, the largest ratio over its steps of the bytes it held (`resident_bytes`) to what one process
+    training the same model holds at that step: every row's parameters with Adam's two moments."""
+    model = model_rows(records)
     return [max((r["resident_bytes"] / (3 * r["row_bytes"] * model[r["step"]]) for r in records
                  if r["rank"] == q and model.get(r["step"]) and r.get("row_bytes")), default=0.0)
             for q in range(world_size)]
@@ -120,9 +126,7 @@ def bytes_share(records: List[dict], world_size: int) -> List[float]:
 def resident_share(records: List[dict], world_size: int) -> List[float]:
     """Per rank, the largest share of the model (all ranks' owned rows at that step) it held at a step: owned rows
     plus the replicas its arena held then."""
-    model: Dict[int, int] = {}
-    for r in records:
-        model[r["step"]] = model.get(r["step"], 0) + r["gaussians_owned"]
+    model = model_rows(records)
     return [max(((r["gaussians_owned"] + r["gaussians_replicated"]) / model[r["step"]] for r in records
                  if r["rank"] == q and model.get(r["step"])), default=0.0) for q in range(world_size)]
 
