@@ -86,8 +86,8 @@ class OdinEngine(PhaseBoundary):
         self.admit_update = admit_update
         if data_path not in ("splats", "rows"):
             raise ValueError(f"unknown data path {data_path!r} (splats or rows)")
-        # what travels (DESIGN.md "The data path"): owners' splats for current reads; reads behind still take rows
-        self.splat_data = data_path == "splats" and not self.staleness
+        # what travels (DESIGN.md "The data path"): owners' splats, or (for comparison) the rows the views read
+        self.splat_data = data_path == "splats"
         # throughput-first: where its communication lane runs (runtime/lane.py)
         self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
@@ -252,8 +252,9 @@ class OdinEngine(PhaseBoundary):
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
-        self.splats = SplatPath(self.env, self.log, self.device, self.model, self.num_rest, self.runtime.channels,
-                                self._camera, self._owned_rows, self.ops) if self.splat_data else None
+        self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows,
+                                self.ops) if self.splat_data else None
+        self.runtime.splats = self.splats
         self.plan = None
 
     # ---- phases ---------------------------------------------------------------------------------------------
@@ -348,15 +349,16 @@ class OdinEngine(PhaseBoundary):
         me = self.env.rank
         envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
         self.runtime.begin(self.plan, self.table, self.plan.read_mask, envelope, rows=self.splats is None)
-        if self.splats is not None:
-            self.splats.begin(self.plan, self.table, self.runtime.home_start, self.runtime.extras_out,
-                              self.runtime.extras_self)
+        if self.splats is not None:  # the phase-start state's projections (the phase's set-up)
+            self.splats.begin(self.plan, self.table, self.runtime.home_start)
+            self.splats.project_update(step - 1, timed=False)
         self.program = Program(self.plan.actions(me), me, self.plan.start, self.plan.stop)
         if self.recorder is not None:
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
         self.lane = None
         if self.staleness and self.env.distributed:
-            self.own_rows = OwnedVersions(self._packed_owned(), step - 1)
+            # the row path's renders read their own rows at a version (the splat path projected them then)
+            self.own_rows = OwnedVersions(self._packed_owned(), step - 1) if self.splats is None else None
             self.own_version = {}
             self.own_pos = step - 1
             self.lane = Lane(self.program, {"W": self._lane_wait, "G": self._lane_gradients, "U": self._lane_update,
@@ -415,7 +417,7 @@ class OdinEngine(PhaseBoundary):
         if self.splats is not None:
             splats = self.splats
             return {"P": lambda group: splats.publish(group[0].step, [a.peer for a in group]),
-                    "W": lambda group: splats.take(step, [a.peer for a in group]),
+                    "W": lambda group: self.runtime.take_current(step, [a.peer for a in group]),
                     "G": lambda group: splats.send_gradients(step, [a.peer for a in group]),
                     "U": lambda group: self._apply_update(step, None, optimizers),
                     "B": lambda group: self.runtime.barrier()}
@@ -453,8 +455,8 @@ class OdinEngine(PhaseBoundary):
         me, model, runtime = self.env.rank, self.model, self.runtime
         record = self.log.current
         owned, own_current = None, True
-        if self.lane is not None:  # the version of its own blocks this step reads (the lane updates the live rows);
-            # a step whose views read none of them reads the version last read
+        if self.lane is not None and self.splats is None:  # rows: the version of its own blocks this step reads
+            # (the lane updates the live rows); a step whose views read none of them reads the version last read
             version = self.own_version.get(step, self.own_rows.version)
             owned, own_current = self.own_rows.at(version), version == step - 1
         contributions, view_ids = [], []
@@ -535,6 +537,8 @@ class OdinEngine(PhaseBoundary):
         track = step < self.model.strategy.refine_stop_iter
         readers = plan.readers(step, self.env.rank)
         if self.splats is not None:  # U on the splat path: the views' splat gradients back through the projections
+            if plan.staleness and runtime.channels is not None:
+                runtime.drain(step, readers)  # publications ahead of the gradients on a pair
             runtime.apply(step, self.splats.contributions(step, readers), optimizers, track)
         else:
             runtime.update(step, mine, readers, optimizers, track)
@@ -543,6 +547,8 @@ class OdinEngine(PhaseBoundary):
             params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
             self.fault.apply(self, step, params)
             runtime.check_envelope(step + 1, self._visible)
+            if self.splats is not None:  # every read that takes this version, projected now
+                self.splats.project_update(step)
 
     # throughput-first: the lane's handlers (the communication thread)
 
@@ -554,6 +560,8 @@ class OdinEngine(PhaseBoundary):
         if version is None:
             return False
         self.own_pos = self.own_version[step] = version
+        if self.splats is not None:
+            self.splats.check_read(step, me, version)
         return True
 
     def _lane_waiting(self, cause: str):
@@ -562,8 +570,11 @@ class OdinEngine(PhaseBoundary):
         return self.log.waiting(cause) if self.lane_mode == "thread" else contextlib.nullcontext()
 
     def _lane_gradients(self, group, contributions, view_ids) -> None:
-        self._lane_mine = self.runtime.send_gradients(group[0].step, contributions, view_ids,
-                                                      [a.peer for a in group])
+        if self.splats is not None:
+            self.splats.send_gradients(group[0].step, [a.peer for a in group])
+        else:
+            self._lane_mine = self.runtime.send_gradients(group[0].step, contributions, view_ids,
+                                                          [a.peer for a in group])
         if self.lane_mode == "inline":  # the owners' probe: this rank's gradients of the step are out
             self._store.set(f"{SENT_KEY}{self.env.rank}", str(group[0].step))
 
@@ -577,6 +588,11 @@ class OdinEngine(PhaseBoundary):
 
     def _lane_update(self, action, given) -> None:
         step = action.step
+        if self.splats is not None:
+            self._apply_update(step, None, self.optimizers)
+            self.runtime.forget_step(step)
+            self.splats.forget_step(step)
+            return
         if given is not None:  # no gradients left this rank this step
             mine = self.runtime.send_gradients(step, given[0], given[1], [])
         else:
@@ -587,7 +603,7 @@ class OdinEngine(PhaseBoundary):
         self.runtime.forget_step(step)
 
     def _lane_publish(self, group) -> None:
-        self.runtime.publish(group[0].step, [a.peer for a in group])
+        (self.splats or self.runtime).publish(group[0].step, [a.peer for a in group])
 
     def _visible(self, view: int, rows: Dict[str, torch.Tensor]) -> int:
         """How many of these Gaussians gsplat's projection keeps (radius > 0) in training view `view`."""

@@ -72,6 +72,7 @@ class RankRuntime:
         self._step_notes: Dict[int, tuple] = {}
         self._rows: Optional[torch.Tensor] = None  # view_rows' buffer (odin_ns.buffers)
         self.contribution_pool = BufferPool()  # the views' contribution rows (send_gradients hands them back)
+        self.splats = None  # the splat data path (`runtime.splat_path`), where it is the one taken
 
     # ---- phases ------------------------------------------------------------------------------------------
 
@@ -131,7 +132,11 @@ class RankRuntime:
         self.rel_seen = torch.full((B,), math.inf, dtype=torch.float64)
         self.pos: Dict[int, Optional[int]] = {o: None for o in range(R) if o != me}
         self.queued: Dict[int, List[tuple]] = {}  # owner -> publications received ahead (throughput-first)
-        self.sim_pos: Dict[int, Optional[int]] = dict.fromkeys(self.pos)
+        # the owner's replay of the reads of its blocks (`decide_reads`): per rank the version its last decided
+        # read takes and its first undecided step; per (step, rank) the version decided
+        self.sim_pos: Dict[int, Optional[int]] = {q: plan.start - 1 if q == me else None for q in range(R)}
+        self.next_read: Dict[int, int] = dict.fromkeys(range(R), plan.start)
+        self.read_version: Dict[Tuple[int, int], int] = {}
         self.open_stale: Dict[int, list] = {}
         self.norm_sq = torch.zeros(len(self.own_ids), dtype=torch.float64)
         if plan.staleness and self.n_owned:
@@ -170,7 +175,7 @@ class RankRuntime:
         if self.channels is None:
             return
         plan, me = self.plan, self.env.rank
-        for o in sorted(self.pos) if self.rows_path else []:  # the splat path takes every publication at its W
+        for o in sorted(self.pos):
             p = self.pos[o]
             while True:
                 u = plan.next_publication(o, me, plan.start - 2 if p is None else p, plan.stop - 2)
@@ -227,6 +232,8 @@ class RankRuntime:
         block pairs, extra rows) per publication."""
         if not pubs:
             return []
+        if self.splats is not None:
+            return self.splats.receive(pubs)
         evidence = bool(self.plan.staleness)
         layouts = [self._reader_layout(o, u) for o, u in pubs]
         headers = [torch.empty(pub_header_size(len(lay[0]), evidence), dtype=torch.int64, device=self.device)
@@ -259,6 +266,13 @@ class RankRuntime:
         return out
 
     def _apply(self, owner: int, update: int, raw: tuple, step: Optional[int]) -> None:
+        if self.splats is not None:
+            if self.plan.staleness:
+                blocks = torch.tensor(self.plan.pub_blocks(update, owner, self.env.rank), dtype=torch.int64)
+                self.rel_seen[blocks] = raw[1]
+                self.note_skipped(owner, update, self.rel_seen)
+            self.splats.accept(owner, update, raw)
+            return
         head, pay, pairs, rows = raw
         blocks, counts, total = self._reader_layout(owner, update)
         used = head[2:2 + GROUPS]
@@ -309,6 +323,8 @@ class RankRuntime:
                                        admitted=lambda pos: self.admits(step, me, owner, pos, self.rel_seen[at]),
                                        take=lambda u: self.take_one(owner, u, step), until=until)
         self.pos[owner] = p
+        if done and self.splats is not None:
+            self.splats.check_read(step, owner, p)
         if done:
             self.note_read(step, owner, plan.publish_blocks(step, owner, me), step - 1 - p, tested,
                            self.rel_seen[at])
@@ -317,22 +333,27 @@ class RankRuntime:
     def own_admitted(self, step: int, own: int, until: int) -> Optional[int]:
         """The version of its own blocks the rank renders at `step`: the first from `own` on (up to `until`) that
         the plan and the evidence admit, or step-1; None when none up to `until` is."""
+        blocks = self.plan.publish_blocks(step, self.env.rank, self.env.rank)
+        p, tested = self._own_walk(step, blocks, own, until)
+        if p is None:
+            return None
+        self.note_read(step, self.env.rank, blocks, step - 1 - p, tested, self.rel_hist[p][torch.tensor(blocks)])
+        return p
+
+    def _own_walk(self, step: int, blocks: List[int], own: int, until: int) -> Tuple[Optional[int], bool]:
+        """`own_admitted`'s decision (the version, or None; whether an admission test ran), without its note."""
         plan, me = self.plan, self.env.rank
-        blocks = plan.publish_blocks(step, me, me)
         at = torch.tensor(blocks, dtype=torch.int64)
         p, tested = own, False
         while p < step - 1:
             if p > until:
-                return None
+                return None, tested
             if plan.schedule_admits(step, me, me, step - 1 - p):
                 tested = True
                 if self.admits(step, me, me, p, self.rel_hist[p][at]):
                     break
             p += 1
-        if p > until:
-            return None
-        self.note_read(step, me, blocks, step - 1 - p, tested, self.rel_hist[p][at])
-        return p
+        return (None if p > until else p), tested
 
     def note_read(self, step: int, owner: int, blocks: List[int], k: int, tested: bool, rels: torch.Tensor) -> None:
         """Count a read of `owner`'s blocks at `step`: admitted k versions behind, or refused (waited for). Kept
@@ -367,18 +388,36 @@ class RankRuntime:
                     kept.append((entry, blocks, pos, step))
             self.open_stale[owner] = kept
 
-    def reader_current(self, step: int) -> Dict[int, bool]:
-        """For each other rank that reads this rank's blocks at `step`: is its read current (True) or admitted
-        behind? The reader's own decision, replayed from the same plan and the evidence this rank published."""
+    def decide_reads(self, until: int, through: int) -> None:
+        """The version every read of this rank's blocks takes (`read_version[(step, rank)]`, this rank's own
+        reads too), for the steps up to `through`, as far as the evidence up to update `until` decides it: each
+        reader's own decision (`take_admitted`, `own_admitted`), replayed from the same plan and the evidence this
+        rank published. At the exact policies every read takes update step-1. A throughput-first step whose views
+        read none of this rank's own blocks has no own read."""
         plan, me = self.plan, self.env.rank
-        out = {}
-        for q in plan.readers(step, me):
-            at = torch.tensor(plan.publish_blocks(step, me, q), dtype=torch.int64)
-            p, _, _ = plan.advance(step, q, me, self.sim_pos[q],
-                                   admitted=lambda pos: self.admits(step, q, me, pos, self.rel_hist[pos][at]))
-            self.sim_pos[q] = p
-            out[q] = p == step - 1
-        return out
+        last = min(through, plan.stop - 1)
+        for q in range(plan.num_ranks):
+            step = self.next_read[q]
+            while step <= last:
+                reads, p = True, step - 1
+                if q == me:
+                    blocks = plan.publish_blocks(step, me, me)
+                    reads = bool(blocks) or not plan.staleness
+                    if reads and plan.staleness:
+                        p = self._own_walk(step, blocks, self.sim_pos[me], until)[0]
+                elif me not in plan.deps(step, q):
+                    reads = False
+                elif plan.staleness:
+                    at = torch.tensor(plan.publish_blocks(step, me, q), dtype=torch.int64)
+                    p, _, done = plan.advance(step, q, me, self.sim_pos[q], until=until, admitted=lambda pos, s=step,
+                                              r=q, at=at: self.admits(s, r, me, pos, self.rel_hist[pos][at]))
+                    p = p if done else None
+                if reads and (p is None or p > until):
+                    break
+                if reads:
+                    self.sim_pos[q] = self.read_version[(step, q)] = p
+                step += 1
+            self.next_read[q] = step
 
     # ---- R: what a view renders --------------------------------------------------------------------------
 
@@ -589,7 +628,10 @@ class RankRuntime:
         plan = self.plan
         if not plan.contains(step) or step == plan.start:
             return
-        current = self.reader_current(step) if plan.staleness and self.channels is not None else {}
+        current = {}
+        if plan.staleness and self.channels is not None:  # the readers' reads of `step`, current or behind
+            self.decide_reads(step - 1, step)
+            current = {q: self.read_version.get((step, q)) == step - 1 for q in plan.readers(step, self.env.rank)}
         rows = self.last.rows if self.last is not None else torch.zeros(0, dtype=torch.int64)
         if self.moved_rows:
             rows = torch.cat([rows] + self.moved_rows)

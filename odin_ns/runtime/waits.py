@@ -146,6 +146,12 @@ class WaitLog:
 
     @contextmanager
     def computing(self) -> Iterator[None]:
+        """Render work; off the render thread (an owner's projections on the communication lane) it runs beside
+        the renders and counts apart."""
+        if threading.get_ident() != self._thread:
+            with self._background("render"):
+                yield
+            return
         started = time.perf_counter()
         try:
             yield
