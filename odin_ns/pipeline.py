@@ -75,11 +75,6 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     while a peer's gradients are late, and updates after that render; nothing competes with the renders for a
     core), or on a thread beside the renders (the update is published while the next render runs). auto: inline
     on CPU ranks, a thread on GPUs. Every choice gives the same model bit for bit."""
-    data_path: Literal["splats", "rows"] = "splats"
-    """What a step moves between ranks: splats (each owner projects its Gaussians for the views that read them and
-    sends the visible splats, 48 bytes each; the gradients of the splats come back) or rows (a reader receives the
-    rows of the remote Gaussians it reads, 236 bytes each, and sends back a gradient row, 248). The same model bit
-    for bit either way. Reads admitted behind (odin-throughput) take rows for now."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
@@ -167,7 +162,7 @@ class OdinPipeline(VanillaPipeline):
                                      phase_length=config.phase_length, view_order=config.view_order,
                                      block_cut=config.block_cut, max_staleness=config.max_staleness,
                                      admit_overlap=config.admit_overlap, admit_update=config.admit_update,
-                                     lane=config.lane, data_path=config.data_path)
+                                     lane=config.lane)
             if env.distributed and env.rank == 0:  # the viewer's Odin panel (rank 0 serves the viewer)
                 attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
         self.viewer_model = None  # rank 0 of several: the viewer's copy of the model (see OdinModel.show_snapshot)
@@ -188,15 +183,16 @@ class OdinPipeline(VanillaPipeline):
     def train_step(self, step: int, optimizers) -> Tuple[torch.Tensor, Dict, Dict]:
         """The hook the trainer calls once per training step, around the model's forward and backward:
         validate (wait for exactly the blocks this rank's views read, at the version the synchronous reference
-        reads), render (the model on those blocks), publish (gradients to the owners, the owners' update, the
-        changed rows pushed to their next readers). (loss, loss dict, metrics dict) of the rank's last view."""
+        reads), render (the model on those blocks' splats), publish (the splats' gradients to the owners, the
+        owners' update, the next reads' splats to the ranks that render them). (loss, loss dict, metrics dict) of
+        the rank's last view."""
         engine = self.engine
         with engine.ops.counting(step):
             views = engine.validate(step, optimizers)
-        loss, loss_dict, metrics_dict, contributions, blocks = engine.render(step, views)
+        loss, loss_dict, metrics_dict, blocks = engine.render(step, views)
         record = engine.log.current
         with engine.ops.counting(step):
-            engine.publish(step, contributions, blocks, optimizers)
+            engine.publish(step, blocks, optimizers)
         if engine.ops.active(step):
             counts = engine.ops.take()
             record.runtime_ops, record.runtime_syncs = counts["ops"], counts["syncs"]

@@ -103,19 +103,15 @@ def test_ranks_equal_one_process_on_city(runs, ranks):
     assert len(set(views)) == ranks, f"ranks drew the same camera: {views}"
 
 
-def test_the_splat_and_row_data_paths_train_the_same_model(runs):
-    """Splats (the default: owners project for their readers, 48 bytes a pair out, 44 back, no replicas) and rows
-    (replicas of the rows the views read) give the same model bit for bit; what each moves and holds."""
-    splats = city(runs, 2, "odin")
-    rows = city(runs, 2, "odin", "--pipeline.data-path", "rows")
-    assert_same_training(load(rows), load(splats))
-    s, r = stats(splats)["summary"], stats(rows)["summary"]
-    assert s["remote_pairs"] == r["remote_pairs"] > 0  # the same (view, remote Gaussian) pairs rendered
-    assert s["bytes_per_pair_to_reader"] <= 48.5 and s["bytes_per_pair_back"] <= 44.0  # headers: 8 B a view
-    assert r["bytes_per_pair_to_reader"] > 2 * s["bytes_per_pair_to_reader"]
-    assert s["bytes_per_step"] < r["bytes_per_step"]
-    assert all(x["gaussians_replicated"] == 0 for x in stats(splats)["steps"])  # no rank holds another's rows
-    assert max(s["peak_bytes_share"]) < 0.75 < min(r["peak_bytes_share"])  # of one process's rows with Adam
+def test_the_splats_an_odin_run_moves_and_holds(runs):
+    """What travels is splats (owners project for their readers: 48 bytes a visible pair out, 44 back, headers
+    included) and no rank holds another's rows: each rank's peak is its owned rows with Adam's moments and a
+    step's messages, well under one process's whole model."""
+    s = stats(city(runs, 2, "odin"))["summary"]
+    assert s["remote_pairs"] > 0
+    assert s["bytes_per_pair_to_reader"] <= 48.5 and s["bytes_per_pair_back"] <= 44.0
+    assert max(s["peak_resident_share"]) < 0.7  # its owned rows, of the whole model
+    assert max(s["peak_bytes_share"]) < 0.75  # of one process's rows with Adam's moments
 
 
 def test_two_views_per_rank_equal_one_process_with_four(runs):

@@ -63,23 +63,14 @@ def test_throughput_is_deterministic_bounded_and_not_odin(runs):
     assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in pairs), "reads behind changed nothing"
 
 
-def test_the_splat_and_row_data_paths_admit_the_same_reads_and_train_the_same_model(runs):
-    """Reads behind on splats (the default): an owner projects a read admitted behind when its version is current,
-    as it replays the reader's decision, and no rank keeps another's rows or an older version of its own. The
-    same reads are admitted as on rows (the readers decide them alike), so the same model, bit for bit."""
-    splats = city(runs, 2, "odin-throughput", *KEEP)
-    rows = city(runs, 2, "odin-throughput", *KEEP, "--pipeline.data-path", "rows")
-    assert_same_training(load(rows), load(splats))
-    s, r = stats(splats), stats(rows)
-
-    def reads(run):
-        return sorted((x["rank"], x["step"], e["owner"], e["staleness"], e["blocks"], e["estimate"], e["skipped"])
-                      for x in run["steps"] for e in x["stale_reads"])
-    assert reads(s) == reads(r) and reads(s), "the data paths admitted other reads behind"
-    assert s["summary"]["remote_pairs"] == r["summary"]["remote_pairs"] > 0
-    assert s["summary"]["bytes_per_pair_to_reader"] <= 50.0 and s["summary"]["bytes_per_pair_back"] <= 44.0
-    assert all(x["gaussians_replicated"] == 0 for x in s["steps"])
-    assert max(s["summary"]["peak_bytes_share"]) < 0.75 < min(r["summary"]["peak_bytes_share"])
+def test_reads_behind_move_splats_projected_when_their_version_was_current(runs):
+    """An owner projects a read admitted behind when its version is current (it replays the reader's decision;
+    the reader checks that the owner agreed), so reads behind move splats too, and no rank keeps another's rows
+    or an older version of its own."""
+    s = stats(city(runs, 2, "odin-throughput", *KEEP))["summary"]
+    assert s["stale_admitted"] > 0 and s["remote_pairs"] > 0
+    assert s["bytes_per_pair_to_reader"] <= 50.0 and s["bytes_per_pair_back"] <= 44.0  # headers: counts, evidence
+    assert max(s["peak_bytes_share"]) < 0.75
 
 
 def test_a_resumed_throughput_run_ends_where_the_uninterrupted_one_ends(runs):

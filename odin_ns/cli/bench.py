@@ -198,7 +198,6 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "peak_bytes_per_rank": s.get("peak_bytes_per_rank", []),
             "peak_bytes_share": s.get("peak_bytes_share", []),
             "bytes_per_pair": (s.get("bytes_per_pair_to_reader"), s.get("bytes_per_pair_back")),
-            "replicas_over_window": s.get("replicas_over_window", []),
             "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
             "max_staleness_seen": s.get("max_staleness_seen", 0),
             "replayed_wall_s": r.get("replayed_wall_s"),
@@ -240,8 +239,7 @@ def print_table(rows: List[Dict], title: str) -> None:
                                                 "wait_transfer_s", "wait_barrier_s", "wait_phase_s")),
                       f"{r['bytes_per_step'] / 1e6:.2f}",
                       "-" if r["bytes_per_pair"][0] is None else "/".join(f"{x:.0f}" for x in r["bytes_per_pair"]),
-                      "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " (" +
-                      "/".join(f"{x:.2f}" for x in r["replicas_over_window"]) + "x) " +
+                      "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " " +
                       "/".join(f"{x / 1e6:.1f}" for x in r["peak_bytes_per_rank"]) + " MB = " +
                       "/".join(f"{x:.0%}" for x in r["peak_bytes_share"]),
                       f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
@@ -255,10 +253,9 @@ def print_table(rows: List[Dict], title: str) -> None:
           "waits) ran in it than in that barrier run (a shared machine's speed drifts between runs); 'at equal "
           "CPU': the same with the processor time of the ranks' processes (every thread, a lane on a thread too) in "
           "place of the main thread's work. 'B/pair': bytes sent per visible (view, remote Gaussian) pair, to the "
-          "readers / back to the owners. 'resident': per rank, the largest share of the model it held at a step "
-          "(owned + replicas), in brackets the replicas it held in a phase over the most remote rows its views "
-          "read in one window of the phase, then its peak bytes (owned rows with Adam's moments, replicas, the "
-          "step's messages) and their share of one process's (every row with Adam's moments). 'stale/refused': "
+          "readers / back to the owners. 'resident': per rank, the largest share of the model it owned at a step (no "
+          "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the step's messages) "
+          "and their share of one process's (every row with Adam's moments). 'stale/refused': "
           "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
           "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 
@@ -279,9 +276,6 @@ def train_main(argv: List[str]) -> int:
     ap.add_argument("--thread-lane", action="store_true",
                     help="also run odin-throughput with its communication lane on a thread (--pipeline.lane thread; "
                          "inline is the default on CPU ranks)")
-    ap.add_argument("--row-path", action="store_true",
-                    help="also run the exact policies on the row data path (--pipeline.data-path rows): what the "
-                         "splat path saves in bytes, memory and time, side by side")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: ns-train arguments for every run")
     args = ap.parse_args(argv)
     if args.ranks < 2:
@@ -294,9 +288,6 @@ def train_main(argv: List[str]) -> int:
     if args.repeat < 1:
         raise SystemExit("odin: error: --repeat must be at least 1")
     plan = [(label, method, order, []) for label, method, order in RUNS]
-    if args.row_path:
-        plan += [(f"{p.label}, rows", p.method, "odin", ["--pipeline.data-path", "rows"])
-                 for p in sorted(POLICIES.values(), key=lambda p: not p.barrier) if not p.stale_reads]
     if args.thread_lane:
         lane = next(p for p in POLICIES.values() if "lane" in p.options)
         plan.append((f"{lane.label}, lane on a thread", lane.method, "odin", ["--pipeline.lane", "thread"]))

@@ -79,20 +79,18 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
 
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
-                  gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "runtime") -> Dict:
+                  gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "splats") -> Dict:
     from odin_ns.cli.schedule import predictions
 
     preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
     target = gaussians or SCENE_SIZE[scene][0]
     scale = target / max(sum(preview.block_counts), 1)
     plans = preview.policy_plans()
-    costs = {path: gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
-                             GPUS[gpu], link_named(link), preview.visible, path)
-             for path in (RUNTIME_PATHS if data_path == "runtime" else (data_path,))}
-    by_path = {path: predictions(plans, c) for path, c in costs.items()}
-    pred = by_path[data_path] if data_path != "runtime" else runtime_mix(by_path)
-    barrier_path = "splats" if data_path == "runtime" else data_path
-    peak = peak_bytes(plans[BARRIER], costs[barrier_path], scale)
+    stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
+    costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale, GPUS[gpu],
+                      link_named(link), preview.visible, data_path, stale_plans=stale)
+    pred = predictions(plans, costs)
+    peak = peak_bytes(plans[BARRIER], costs, scale)
     views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
@@ -102,7 +100,6 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
             "policies": pred, "peak_bytes_per_rank": max(peak), "one_gpu_bytes": ROW_BYTES * 3 * target}
 
 
-RUNTIME_PATHS = ("splats", "rows")
 ROW_BYTES = 4 * 59  # a Gaussian's packed parameters at SH degree 3 (Adam's two moments hold the same again twice)
 
 
@@ -129,21 +126,6 @@ def peak_bytes(plans, costs, scale: float) -> List[float]:
     return peak
 
 
-def runtime_mix(by_path: Dict[str, Dict]) -> Dict:
-    """Each policy on the data path the runtime moves for it: splats for current reads, rows for reads admitted
-    behind (throughput-first); speed-ups and wait hidden against the barrier on splats."""
-    base = by_path["splats"][BARRIER]
-    out = {}
-    for method, p in by_path["splats"].items():
-        stale = next(q for q in POLICIES.values() if q.method == method).stale_reads
-        src = by_path["rows" if stale else "splats"][method]
-        wait = src["wall_s"] - base["ideal_s"]
-        out[method] = dict(src, ideal_s=base["ideal_s"], wait_s=wait, speedup=base["wall_s"] / src["wall_s"],
-                           wait_hidden=1 - wait / (base["wall_s"] - base["ideal_s"])
-                           if base["wall_s"] > base["ideal_s"] else float("nan"))
-    return out
-
-
 # Grendel-GS's README: "more than 3.5x" faster training on Mip-NeRF 360 with 4 GPUs (batch 4, sqrt learning rates)
 PEERS = "Grendel-GS publishes more than 3.5x at 4 GPUs (Mip-NeRF 360, batch 4, its README)"
 
@@ -163,7 +145,6 @@ def add_time_to_views(rows: List[Dict], views: int) -> None:
 def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> None:
     mb = rows[0]["micro_batch"] if rows else 1
     path = rows[0].get("data_path", "rows") if rows else "rows"
-    path = "splats (rows for reads behind)" if path == "runtime" else path
     table = Table(title=f"predicted: {gpu} GPUs, {link} link, {mb} view(s) per rank per step, messages of {path}; "
                         "views/s and against odin-barrier")
     for col in ("ranks", "scene", "Gaussians", "blocks", "policy", "views/s", "speed-up", "ideal", "wait hidden",
@@ -237,10 +218,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--gaussians", type=float, default=None, help="Gaussians every scene stands for")
     ap.add_argument("--micro-batch", type=int, default=2,
                     help="views per rank per step (default 2, as the paper's test bed)")
-    ap.add_argument("--data-path", default="runtime", choices=("runtime",) + DATA_PATHS,
-                    help="what the messages carry: runtime (default: what the runtime moves, projected splats for "
-                         "current reads and rows for throughput-first's reads behind), splats (every policy on "
-                         "splats, as gsplat's distributed mode) or rows (parameter rows out, gradient rows back)")
+    ap.add_argument("--data-path", default="splats", choices=DATA_PATHS,
+                    help="what the messages carry: splats (default: what the runtime moves, as gsplat's distributed "
+                         "mode) or rows (parameter rows out, gradient rows back: the data path before splats)")
     ap.add_argument("--views", type=int, default=30000,
                     help="training views the time column counts (default splatfacto's 30000); with 1 among --ranks "
                          "every rank count is also compared with one GPU")

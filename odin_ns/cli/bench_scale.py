@@ -9,7 +9,7 @@ odin_stats.json, per step and rank (mean over the timed steps, the first phase's
 bookkeeping, loop and wait in ms; the tensor operations the runtime's side of a step (validate and publish: all but
 the render) dispatches and the host syncs among them, counted on the last `--count-steps` steps
 (`runtime.op_count`: what a GPU pays per kernel launch and per stall, machine-independent); peak resident Gaussians
-per rank (owned + replicas) as a share of the model. The floor: a plain `torch.optim.Adam` step over a rank's owned
+per rank (its owned rows) as a share of the model. The floor: a plain `torch.optim.Adam` step over a rank's owned
 rows (59 columns, one thread, as each of 2 ranks on 2 cores gets), timed in this same invocation. The targets of
 the runtime at scale (update + bookkeeping + loop <= 2.5x the floor; operations and syncs flat in the block count)
 are printed beside the figures.
@@ -98,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--count-steps", type=int, default=4, help="last steps whose operations are counted")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("extra", nargs=argparse.REMAINDER,
-                    help="after --: ns-train arguments for every run (e.g. --pipeline.data-path rows)")
+                    help="after --: ns-train arguments for every run (e.g. --pipeline.view-order random)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -154,7 +154,7 @@ def print_table(rows: List[Dict]) -> None:
     print(f"Targets: update + bookkeeping + loop <= {TARGET_FLOOR_RATIO}x the Adam floor (a plain Adam step over a "
           "rank's owned rows, one thread, timed in this invocation); operations and syncs per step flat in the "
           "block count (aim: under 200 and under 5); wall - render <= 25% at 200k Gaussians; resident per rank: "
-          "owned + replicas, as a share of the model.")
+          "its owned rows, as a share of the model.")
 
 
 if __name__ == "__main__":

@@ -87,3 +87,13 @@ def shard_bounds(params: Dict[str, torch.Tensor], ranges: Dict[int, Tuple[int, i
         block_of[ranges[b][0]:ranges[b][1]] = i
     lo, hi, _, _, max_scale = block_bounds(params["means"], torch.exp(params["scales"]).detach(), block_of, len(ids))
     return lo, hi, max_scale
+
+
+def expand_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """cat(arange(s, s + c) for s, c in zip(starts, counts)) in a constant number of operations (`total` is the
+    sum of `counts`, known to the caller: no host sync): the rows of some blocks from their first rows."""
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=starts.device)
+    ends = torch.cumsum(counts, 0)
+    offsets = torch.repeat_interleave(starts - (ends - counts), counts, output_size=total)
+    return offsets + torch.arange(total, device=starts.device)

@@ -4,10 +4,11 @@ At a phase's start every rank derives the same `PhasePlan` from replicated data 
 step, their read sets from the block table's bounds inflated by the optimizer's largest motion, in one batched
 test) and takes its own program of the phase from the policy registry (`schedule.policies`). The pipeline's
 seams run the program step by step (`runtime.interpreter`): `validate` the actions before the step's renders
-(publications in), `render` its views, `publish` what follows (gradients out, the owners' update, publications
-out, odin-barrier's barrier); throughput-first runs its communication on a lane beside the renders
-(`runtime.lane`). The handlers work on row-indexed state (`runtime.rank_runtime`); phase boundaries (densify,
-prune, cut, rebalance, the table's sync) are `runtime.boundary`. The result does not depend on how many ranks
+(the owners' splats in), `render` its views, `publish` what follows (the splats' gradients out, the owners' update,
+the next reads' splats out, odin-barrier's barrier); throughput-first runs its communication on a lane beside the
+renders (`runtime.lane`). What travels is splats (`runtime.splat_path`); the state the handlers share is
+`runtime.rank_runtime`, reads behind are `runtime.admission`; phase boundaries (densify, prune, cut, rebalance,
+the table's sync) are `runtime.boundary`. The result does not depend on how many ranks
 share the global batch: N ranks with one view each equal one rank with a micro-batch of N views, bit for bit.
 """
 
@@ -27,7 +28,7 @@ from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import num_sh_bases
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from odin_ns.render.projection import RowCameras, project
+from odin_ns.render.projection import project
 from odin_ns.render.viewmat import get_viewmat
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.boundary import PhaseBoundary
@@ -36,13 +37,9 @@ from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.interpreter import Program
 from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.op_count import OpCounter
-from odin_ns.runtime.owned_versions import OwnedVersions
-from odin_ns.runtime.owner_update import Contribution
 from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.splat_path import SplatPath
-from odin_ns.runtime.view_projection import backprop, project_rows
-from odin_ns.runtime.sharded import (PARAM_NAMES, ShardedGaussians, pack_params, packed_rows, param_columns,
-                                     unpack_params)
+from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, packed_rows, unpack_params
 from odin_ns.runtime.transport import RECORD_ENV
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.scene.block_refine import STATE_KEYS
@@ -76,18 +73,13 @@ class OdinEngine(PhaseBoundary):
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
-                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto",
-                 data_path: str = "splats"):
+                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto"):
         self.env = env
         self.policy = POLICIES[policy]
         # reads may be behind (alone, every policy is plain training: nothing to be behind of)
         self.staleness = max_staleness if self.policy.stale_reads and env.distributed else 0
         self.admit_overlap = admit_overlap if self.staleness else 0.0
         self.admit_update = admit_update
-        if data_path not in ("splats", "rows"):
-            raise ValueError(f"unknown data path {data_path!r} (splats or rows)")
-        # what travels (DESIGN.md "The data path"): owners' splats, or (for comparison) the rows the views read
-        self.splat_data = data_path == "splats"
         # throughput-first: where its communication lane runs (runtime/lane.py)
         self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
@@ -96,7 +88,6 @@ class OdinEngine(PhaseBoundary):
         if self._store is not None and self.lane_mode == "inline":  # every key exists before the first probe (the
             self._store.set(f"{SENT_KEY}{env.rank}", "-1")  # start-up's collectives come between): one read each
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
-        self.own_rows: OwnedVersions | None = None  # throughput-first: the own rows' versions the renders read
         self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
         self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
         self.save_every = 0  # the trainer's checkpoint interval: a checkpoint step ends its phase
@@ -250,10 +241,8 @@ class OdinEngine(PhaseBoundary):
             # process group and never sends)
             self.p2p_group = dist.new_group()
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
-                                   list(param_columns(self.num_rest).values()), self.schedule.micro_batch,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
-        self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows,
-                                self.ops) if self.splat_data else None
+        self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows, self.ops)
         self.runtime.splats = self.splats
         self.plan = None
 
@@ -348,17 +337,14 @@ class OdinEngine(PhaseBoundary):
         self.plans_made += 1
         me = self.env.rank
         envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
-        self.runtime.begin(self.plan, self.table, self.plan.read_mask, envelope, rows=self.splats is None)
-        if self.splats is not None:  # the phase-start state's projections (the phase's set-up)
-            self.splats.begin(self.plan, self.table, self.runtime.home_start)
-            self.splats.project_update(step - 1, timed=False)
+        self.runtime.begin(self.plan, self.table, envelope)
+        self.splats.begin(self.plan, self.table, self.runtime.home_start)
+        self.splats.project_update(step - 1, timed=False)  # the phase-start state's projections (its set-up)
         self.program = Program(self.plan.actions(me), me, self.plan.start, self.plan.stop)
         if self.recorder is not None:
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
         self.lane = None
         if self.staleness and self.env.distributed:
-            # the row path's renders read their own rows at a version (the splat path projected them then)
-            self.own_rows = OwnedVersions(self._packed_owned(), step - 1) if self.splats is None else None
             self.own_version = {}
             self.own_pos = step - 1
             self.lane = Lane(self.program, {"W": self._lane_wait, "G": self._lane_gradients, "U": self._lane_update,
@@ -387,9 +373,6 @@ class OdinEngine(PhaseBoundary):
         path = folder / f"odin_messages_rank{self.env.rank}.json"
         path.write_text(json.dumps({"programs": self.recorder, "messages": self.runtime.channels.record}))
 
-    def _packed_owned(self) -> torch.Tensor:
-        return pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
-
     def _owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return packed_rows(self.model.gauss_params, rows)
 
@@ -414,17 +397,11 @@ class OdinEngine(PhaseBoundary):
         return torch.rand(3, generator=g).to(self.device)
 
     def _handlers(self, step: int, optimizers) -> Dict:
-        if self.splats is not None:
-            splats = self.splats
-            return {"P": lambda group: splats.publish(group[0].step, [a.peer for a in group]),
-                    "W": lambda group: self.runtime.take_current(step, [a.peer for a in group]),
-                    "G": lambda group: splats.send_gradients(step, [a.peer for a in group]),
-                    "U": lambda group: self._apply_update(step, None, optimizers),
-                    "B": lambda group: self.runtime.barrier()}
-        return {"P": lambda group: self.runtime.publish(group[0].step, [a.peer for a in group]),
+        splats = self.splats
+        return {"P": lambda group: splats.publish(group[0].step, [a.peer for a in group]),
                 "W": lambda group: self.runtime.take_current(step, [a.peer for a in group]),
-                "G": lambda group: self._send_gradients(step, [a.peer for a in group]),
-                "U": lambda group: self._update(step, optimizers),
+                "G": lambda group: splats.send_gradients(step, [a.peer for a in group]),
+                "U": lambda group: self._apply_update(step, optimizers),
                 "B": lambda group: self.runtime.barrier()}
 
     def validate(self, step: int, optimizers) -> List[int]:
@@ -439,7 +416,7 @@ class OdinEngine(PhaseBoundary):
         self.optimizers = optimizers
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
-        self._mine, self._step_views = None, None
+        self._step_views = None
         if self.lane is not None:
             with self._lane_waiting("validate"):
                 self.lane.ready(step)
@@ -449,31 +426,17 @@ class OdinEngine(PhaseBoundary):
         return views
 
     def render(self, step: int, views: Sequence[int]):
-        """Render each view from its splats and back-propagate to them: on the splat path every owner's splats of
-        the view (this rank projects its own), on the row path the projection of the view's rows (owned rows and
-        replicas). (loss, loss dict, metrics dict, per-view contributions, per-view block ids)."""
-        me, model, runtime = self.env.rank, self.model, self.runtime
+        """Render each view from every owner's splats of it (this rank projected its own) and back-propagate to
+        them. (loss, loss dict, metrics dict, per-view block ids)."""
+        me, model = self.env.rank, self.model
         record = self.log.current
-        owned, own_current = None, True
-        if self.lane is not None and self.splats is None:  # rows: the version of its own blocks this step reads
-            # (the lane updates the live rows); a step whose views read none of them reads the version last read
-            version = self.own_version.get(step, self.own_rows.version)
-            owned, own_current = self.own_rows.at(version), version == step - 1
-        contributions, view_ids = [], []
+        view_ids = []
         loss = loss_dict = metrics_dict = None
-        sh_degree, antialiased = model.sh_degree_at(step), model.config.rasterize_mode == "antialiased"
         for j, view in enumerate(views):
-            viewmat, K, width, height = self._camera(step, view)
+            _, _, width, height = self._camera(step, view)
             with self.log.computing():
-                if self.splats is not None:
-                    splats, radii, routing = self.splats.view_splats(step, j)
-                    ids = self.plan.view_reads(step, me)[j] + self.runtime.extras_self.get(step, {}).get(j, [])
-                else:
-                    rows, ids = runtime.view_rows(step, j, owned, own_current)
-                    proj = project_rows(rows, self.num_rest, RowCameras.one(viewmat, K, width, height), sh_degree,
-                                        antialiased)
-                    splats, radii = proj.splats.detach().requires_grad_(), proj.radii
-                view_ids.append(ids)
+                splats, radii, routing = self.splats.view_splats(step, j)
+                view_ids.append(self.plan.view_reads(step, me)[j] + self.runtime.extras_self.get(step, {}).get(j, []))
                 model.training_background = self._background(step, me * self.schedule.micro_batch + j)
                 camera, batch = self.datamanager.train_view(view)
                 outputs = model.outputs_from_splats(splats, radii, width, height, camera)
@@ -482,38 +445,31 @@ class OdinEngine(PhaseBoundary):
                 loss = functools.reduce(torch.add, loss_dict.values())
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
-                if self.splats is not None:
-                    self.splats.after_backward(step, j, routing, model.splat_means2d)
-                else:
-                    grads = splats.grad if splats.grad is not None else torch.zeros_like(splats)
-                    absgrad = model.splat_means2d.absgrad if model.strategy.absgrad else None
-                    contributions.append(backprop(proj, grads, absgrad, runtime.contribution_pool))
-        record.gaussians_replicated, record.gaussians_window = runtime.resident(step)
+                self.splats.after_backward(step, j, routing, model.splat_means2d)
         record.blocks_read = len({b for ids in view_ids for b in ids})
-        return loss, loss_dict, metrics_dict, contributions, view_ids
+        return loss, loss_dict, metrics_dict, view_ids
 
-    def publish(self, step: int, contributions: Sequence[Contribution], view_ids, optimizers) -> None:
-        """After rendering: the program's actions that follow the renders: gradients to the blocks' owners, the
-        owners' update in reference order, the changed rows pushed to the ranks that read them next, the barrier
-        (odin-barrier); throughput-first hands the contributions to its lane. Then a phase's end."""
+    def publish(self, step: int, view_ids, optimizers) -> None:
+        """After rendering: the program's actions that follow the renders: the splats' gradients to their owners,
+        the owners' update in reference order, the next reads' splats to the ranks that render them, the barrier
+        (odin-barrier); throughput-first hands the step to its lane. Then a phase's end."""
         plan, runtime, record = self.plan, self.runtime, self.log.current
-        self._contributions, self._step_views = list(contributions), list(view_ids)
+        self._step_views = list(view_ids)
         if self.check_read_sets:
             record.read_set_misses = self._count_misses(step)
         if self.lane is not None:
-            self.lane.put(step, self._contributions, self._step_views)
+            self.lane.put(step, [], self._step_views)
         else:
             self.program.run(self.program.post[step], self._handlers(step, optimizers))
             runtime.forget_step(step)
-            if self.splats is not None:
-                self.splats.forget_step(step)
+            self.splats.forget_step(step)
         if step + 1 == plan.stop:
             with self.ops.paused():  # a phase boundary is not a step's work
                 self._end_phase(step, optimizers)
         record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
         record.row_bytes = 4 * self.width
-        record.resident_bytes = (record.row_bytes * (3 * record.gaussians_owned + record.gaussians_replicated)
-                                 + record.bytes_sent + record.bytes_received)
+        record.resident_bytes = 3 * record.row_bytes * record.gaussians_owned + record.bytes_sent + \
+            record.bytes_received  # no rank holds another's rows
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0
         record.plan_violations, runtime.plan_violations = runtime.plan_violations, 0
@@ -521,34 +477,22 @@ class OdinEngine(PhaseBoundary):
 
     # ---- the handlers' work ---------------------------------------------------------------------------------
 
-    def _send_gradients(self, step: int, owners: Sequence[int]) -> None:
-        self._mine = self.runtime.send_gradients(step, self._contributions, self._step_views, owners)
-
-    def _update(self, step: int, optimizers) -> None:
-        if self._mine is None:  # no gradients left this rank this step: its own contributions only
-            self._mine = self.runtime.send_gradients(step, self._contributions, self._step_views, [])
-        mine, self._mine = self._mine, None
-        self._apply_update(step, mine, optimizers)
-
-    def _apply_update(self, step: int, mine, optimizers) -> None:
-        """U: the owners' update of `step` (every reader's contributions in reference order, selective Adam on the
-        touched rows), its learning-rate step, then the check of the moved rows for the next step's reads."""
+    def _apply_update(self, step: int, optimizers) -> None:
+        """U: the owners' update of `step` (the views' splat gradients back through the projections, every
+        contribution in reference order, selective Adam on the touched rows), its learning-rate step, the check of
+        the moved rows for the next step's reads, then every read that takes this version projected."""
         runtime, plan = self.runtime, self.plan
         track = step < self.model.strategy.refine_stop_iter
         readers = plan.readers(step, self.env.rank)
-        if self.splats is not None:  # U on the splat path: the views' splat gradients back through the projections
-            if plan.staleness and runtime.channels is not None:
-                runtime.drain(step, readers)  # publications ahead of the gradients on a pair
-            runtime.apply(step, self.splats.contributions(step, readers), optimizers, track)
-        else:
-            runtime.update(step, mine, readers, optimizers, track)
+        if plan.staleness and runtime.channels is not None:
+            runtime.drain(step, readers)  # publications ahead of the gradients on a pair
+        runtime.apply(step, self.splats.contributions(step, readers), optimizers, track)
         optimizers.scheduler_step_all(step)
         if plan.contains(step + 1):
             params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
             self.fault.apply(self, step, params)
             runtime.check_envelope(step + 1, self._visible)
-            if self.splats is not None:  # every read that takes this version, projected now
-                self.splats.project_update(step)
+            self.splats.project_update(step)
 
     # throughput-first: the lane's handlers (the communication thread)
 
@@ -560,8 +504,7 @@ class OdinEngine(PhaseBoundary):
         if version is None:
             return False
         self.own_pos = self.own_version[step] = version
-        if self.splats is not None:
-            self.splats.check_read(step, me, version)
+        self.splats.check_read(step, me, version)
         return True
 
     def _lane_waiting(self, cause: str):
@@ -570,11 +513,7 @@ class OdinEngine(PhaseBoundary):
         return self.log.waiting(cause) if self.lane_mode == "thread" else contextlib.nullcontext()
 
     def _lane_gradients(self, group, contributions, view_ids) -> None:
-        if self.splats is not None:
-            self.splats.send_gradients(group[0].step, [a.peer for a in group])
-        else:
-            self._lane_mine = self.runtime.send_gradients(group[0].step, contributions, view_ids,
-                                                          [a.peer for a in group])
+        self.splats.send_gradients(group[0].step, [a.peer for a in group])
         if self.lane_mode == "inline":  # the owners' probe: this rank's gradients of the step are out
             self._store.set(f"{SENT_KEY}{self.env.rank}", str(group[0].step))
 
@@ -587,23 +526,12 @@ class OdinEngine(PhaseBoundary):
         return not keys or all(int(v) >= action.step for v in self._store.multi_get(keys))
 
     def _lane_update(self, action, given) -> None:
-        step = action.step
-        if self.splats is not None:
-            self._apply_update(step, None, self.optimizers)
-            self.runtime.forget_step(step)
-            self.splats.forget_step(step)
-            return
-        if given is not None:  # no gradients left this rank this step
-            mine = self.runtime.send_gradients(step, given[0], given[1], [])
-        else:
-            mine, self._lane_mine = self._lane_mine, None
-        self._apply_update(step, mine, self.optimizers)
-        rows = self.runtime.changed_rows()
-        self.own_rows.record(step, rows, packed_rows(self.model.gauss_params, rows))
-        self.runtime.forget_step(step)
+        self._apply_update(action.step, self.optimizers)
+        self.runtime.forget_step(action.step)
+        self.splats.forget_step(action.step)
 
     def _lane_publish(self, group) -> None:
-        (self.splats or self.runtime).publish(group[0].step, [a.peer for a in group])
+        self.splats.publish(group[0].step, [a.peer for a in group])
 
     def _visible(self, view: int, rows: Dict[str, torch.Tensor]) -> int:
         """How many of these Gaussians gsplat's projection keeps (radius > 0) in training view `view`."""

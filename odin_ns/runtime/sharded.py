@@ -1,8 +1,8 @@
 """This rank's share of the Gaussians: packed rows, and the gather of every shard on one rank.
 
-Owned blocks live in the model's Parameters (concatenated in block-id order) with their optimizer state.
-Messages are packed rows, one per Gaussian: the parameters (`pack_params`) for publications, the gradients plus
-the densification statistics (`GRAD_EXTRA`) for contributions sent to owners.
+Owned blocks live in the model's Parameters (concatenated in block-id order) with their optimizer state. A packed
+row holds one Gaussian's parameters (`pack_params`): what an owner projects from, gathers at a checkpoint and moves
+at a rebalance; a contribution adds the densification statistics (`GRAD_EXTRA`) to its gradient.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def unpack_params(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
 
 class ShardedGaussians:
     """The traffic of one rank that involves whole shards; the owned tensors are passed in (they belong to the
-    model). Replicas and the per-step messages live in `runtime.rank_runtime`."""
+    model). The per-step messages are splats (`runtime.splat_path`)."""
 
     def __init__(self, env: DistEnv, table: BlockTable, num_rest: int, device: torch.device, log: WaitLog):
         self.env = env

@@ -31,7 +31,7 @@ import torch
 
 from odin_ns.render.projection import RowCameras
 from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
-from odin_ns.runtime.replicas import expand_ranges
+from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_rows
 
 WIRE = SPLAT_WIDTH + 2  # the splat, its radius, its key

@@ -1,6 +1,6 @@
 """`odin_stats.json`: the machine-readable record of a run, written by rank 0 beside nerfstudio's outputs.
 
-Per rank and step: views, compute time, wait time by cause, bytes moved, Gaussians owned and replicated
+Per rank and step: views, compute time, wait time by cause, bytes moved, Gaussians and bytes held
 (`runtime.waits.StepRecord`), plus a summary (views/s, wait share by cause, peak Gaussians per rank).
 """
 
@@ -69,17 +69,10 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
                                default=0.0),
         "peak_gaussians_owned": [max((r["gaussians_owned"] for r in records if r["rank"] == q), default=0)
                                  for q in range(world_size)],
-        "peak_gaussians_replicated": [max((r["gaussians_replicated"] for r in records if r["rank"] == q),
-                                          default=0) for q in range(world_size)],
-        "peak_gaussians_resident": [max((r["gaussians_owned"] + r["gaussians_replicated"] for r in records
-                                         if r["rank"] == q), default=0) for q in range(world_size)],
         "peak_resident_share": resident_share(records, world_size),
         "peak_bytes_per_rank": [max((r.get("resident_bytes", 0) for r in records if r["rank"] == q), default=0)
                                 for q in range(world_size)],
         "peak_bytes_share": bytes_share(records, world_size),
-        "replicas_over_window": replicas_over_window(records, world_size),
-        "mean_gaussians_replicated": [_mean(r["gaussians_replicated"] for r in records if r["rank"] == q)
-                                      for q in range(world_size)],
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
         "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),
@@ -124,30 +117,11 @@ def bytes_share(records: List[dict], world_size: int) -> List[float]:
 
 
 def resident_share(records: List[dict], world_size: int) -> List[float]:
-    """Per rank, the largest share of the model (all ranks' owned rows at that step) it held at a step: owned rows
-    plus the replicas its arena held then."""
+    """Per rank, the largest share of the model (all ranks' owned rows at that step) it held at a step: its owned
+    rows (no rank holds another's)."""
     model = model_rows(records)
-    return [max(((r["gaussians_owned"] + r["gaussians_replicated"]) / model[r["step"]] for r in records
+    return [max((r["gaussians_owned"] / model[r["step"]] for r in records
                  if r["rank"] == q and model.get(r["step"])), default=0.0) for q in range(world_size)]
-
-
-def replicas_over_window(records: List[dict], world_size: int) -> List[float]:
-    """Per rank, the largest ratio over its phases of the replica rows it held in a phase (the arena) to the most
-    remote rows its views read within one publication window of that phase (what any replica store must hold)."""
-    out = []
-    for q in range(world_size):
-        worst, phase = 0.0, []
-        mine = sorted((r for r in records if r["rank"] == q), key=lambda r: r["step"])
-        for r in mine + [None]:
-            if r is None or (r.get("phase_start") and phase):
-                window = max((x.get("gaussians_window", 0) for x in phase), default=0)
-                if window:
-                    worst = max(worst, max(x["gaussians_replicated"] for x in phase) / window)
-                phase = []
-            if r is not None:
-                phase.append(r)
-        out.append(worst)
-    return out
 
 
 def stale_summary(records: List[dict]) -> Dict:

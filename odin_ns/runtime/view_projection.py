@@ -1,10 +1,9 @@
 """A view's projection of some Gaussians, and the backward of its splats' gradients through it.
 
-Both data paths render through it. On the splat path an owner projects the rows of its blocks a view reads (its
-own views and its readers'), keeps the graph, and turns the splats' gradients into the view's contribution when
-they come back; on the row path a reader projects every row its view reads at once. The projection of a Gaussian
-does not depend on which others share the call (render/projection.py), so both give the same contributions, bit
-for bit, whatever the rank count (and whether the views' rows go in one call or one call each).
+An owner projects the rows of its blocks that views read (its own views and its readers', in one call for a step),
+keeps the graph, and turns the splats' gradients into each view's contribution when they come back. The projection
+of a Gaussian does not depend on which others share the call (render/projection.py), so the contributions are the
+same, bit for bit, whatever the rank count and whichever views share a call.
 
 A contribution is [M, D + 3]: the gradient of each of the M rows' packed parameters, then gsplat's densification
 statistics of the row in this view (DefaultStrategy's `_update_state`: the norm of the screen-space gradient
@@ -17,7 +16,6 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from odin_ns.buffers import BufferPool
 from odin_ns.render.projection import RowCameras
 from odin_ns.render.splats import MEANS2D, project_splats
 from odin_ns.runtime.owner_update import MAY_BE_ZERO, Contribution
@@ -47,8 +45,7 @@ def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree:
     return ViewProjection(leaves, ids, radii, splats, cams.rows(ids).sizes.to(splats.dtype))
 
 
-def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor],
-             pool: Optional[BufferPool] = None) -> Contribution:
+def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> Contribution:
     """The view's contribution from its splats' gradients [n, SPLAT_WIDTH] (and absolute screen-space gradients
     [n, 2] when the strategy uses them): the backward through the projection, then the statistics."""
     leaves = view.leaves
@@ -58,8 +55,7 @@ def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.
     widths = [leaves[n][0].numel() if m else (3 * leaves[n].shape[1] if n == "features_rest" else leaves[n].shape[-1])
               for n in PARAM_NAMES]
     width = sum(widths)
-    out = pool.take(m, width + 3, grads.dtype, grads.device) if pool is not None else torch.empty(
-        (m, width + 3), dtype=grads.dtype, device=grads.device)
+    out = torch.empty((m, width + 3), dtype=grads.dtype, device=grads.device)
     used = torch.ones(len(PARAM_NAMES) + 1, dtype=torch.bool, device=grads.device)  # the statistics travel always
     col = 0
     for g, (n, w) in enumerate(zip(PARAM_NAMES, widths)):

@@ -42,13 +42,11 @@ class StepRecord:
     # bytes sent by what they carry: "P" (reads: rows or splats to the readers), "G" (gradients to the owners)
     bytes_by_kind: Dict[str, int] = field(default_factory=dict)
     remote_pairs: int = 0  # visible (view, Gaussian of another rank) pairs this rank's views rendered
-    # bytes the rank holds for training at the step: owned rows with their two Adam moments, replica rows, and the
-    # step's message buffers (sent and received)
+    # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the step's message
+    # buffers (sent and received); no rank holds another rank's rows
     resident_bytes: int = 0
     row_bytes: int = 0  # bytes of one Gaussian's packed parameters (one process holds 3x that per Gaussian with Adam)
     gaussians_owned: int = 0
-    gaussians_replicated: int = 0  # replica rows held (the phase's arena)
-    gaussians_window: int = 0  # rows of the remote blocks the rank reads in the step's publication window
     blocks_read: int = 0
     blocks_total: int = 0
     loss: float = 0.0
@@ -77,8 +75,7 @@ class StepRecord:
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
             "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
-            "gaussians_owned": self.gaussians_owned, "gaussians_replicated": self.gaussians_replicated,
-            "gaussians_window": self.gaussians_window,
+            "gaussians_owned": self.gaussians_owned,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
             "plan_violations": self.plan_violations, "phase_start": self.phase_start,

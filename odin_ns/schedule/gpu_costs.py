@@ -65,18 +65,21 @@ GPUS: Dict[str, GpuModel] = {m.name: m for m in (
 
 def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
               counts: Sequence[int], scale: float, gpu: GpuModel, link: Link,
-              visible: Optional[torch.Tensor] = None, data_path: str = "rows") -> Costs:
+              visible: Optional[torch.Tensor] = None, data_path: str = "rows",
+              stale_plans: Optional[Sequence[PhasePlan]] = None) -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
     plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
     rows of the owner's blocks its views see, a publication the rows of the blocks the update touched (some view
     of the step sees them), from `visible` (share of a block's rows in a view); without it, whole blocks (a
     bound). The update's rows are the same touched rows.
 
-    data_path "splats" prices the messages of the splat data path instead (what the runtime moves today is rows):
-    an owner's publication of update u to a reader carries one splat per (view, Gaussian) pair of the reader's views
-    at step u+1 that see the owner's blocks, every step (splats are per view: nothing stays at the reader), and a
-    gradient message one splat gradient per pair; the renders' and updates' costs are the same (the projection moves
-    from the reader to the owner, the total does not change)."""
+    data_path "splats" prices the messages of the splat data path instead (what the runtime moves): an owner's
+    publication of update u to a reader carries one splat per (view, Gaussian) pair of the reader's views that see
+    the owner's blocks at every step whose read takes version u (step u+1's current reads, and at throughput-first
+    the later steps' reads the lists admit behind at u), every step (splats are per view: nothing stays at the
+    reader), and a gradient message one splat gradient per pair; the renders' and updates' costs are the same (the
+    projection moves from the reader to the owner, the total does not change). `stale_plans`: the same phases
+    under throughput-first, whose lists say which reads its lane's publications carry (without: current reads)."""
     if data_path not in DATA_PATHS:
         raise ValueError(f"unknown data path {data_path!r} (choose from {', '.join(DATA_PATHS)})")
     count = torch.as_tensor(counts, dtype=torch.float64)
@@ -88,6 +91,15 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
               for g, p in zip(gaussians_read, pixels)]
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
     owner_at: Dict[int, torch.Tensor] = {}  # step -> [blocks] owning rank (the splat path's publications)
+    read_at: Dict[Tuple[int, int, int], int] = {}  # (step, reader, owner) -> the version its read takes (lists)
+    window: Dict[int, range] = {}  # update -> the steps its publication serves
+    for plan in stale_plans if data_path == "splats" and stale_plans else ():
+        for r in range(plan.num_ranks):
+            for a in plan.actions(r):
+                if a.kind == "W" and a.peer != r:
+                    read_at[(a.step, r, a.peer)] = a.step - 1 - a.stale
+        for u in range(plan.start - 1, plan.stop - 1):
+            window[u] = plan._window(u)
     for plan in plans:
         owner = torch.as_tensor(plan.owner)
         for step in range(plan.start, plan.stop):
@@ -119,12 +131,11 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
         if a.kind == "G":
             rows = seen_rows[(a.step, sender)][blocks] if (a.step, sender) in seen_rows else count[blocks]
             return scale * float(rows.sum()) * (SPLAT_GRAD_BYTES if data_path == "splats" else GRAD_BYTES)
-        if data_path == "splats":  # the splats of the reader's next views that see the owner's blocks
-            step = a.step + 1
-            if step not in owner_at:
-                return 0.0
-            seen = seen_rows[(step, a.peer)]
-            return scale * float(seen[owner_at[step] == sender].sum()) * SPLAT_BYTES
+        if data_path == "splats":  # the splats of the reader's views whose read of the owner takes this version
+            steps = [t for t in window.get(a.step, ()) if read_at.get((t, a.peer, sender)) == a.step] \
+                if a.on_thread else [a.step + 1]  # the lane's lists (reads behind), or the exact ones
+            return scale * SPLAT_BYTES * sum(float(seen_rows[(t, a.peer)][owner_at[t] == sender].sum())
+                                             for t in steps if t in owner_at)
         rows = touched_rows[a.step][blocks] if a.step in touched_rows else count[blocks]  # phase start: whole
         return scale * float(rows.sum()) * PARAM_BYTES
 
