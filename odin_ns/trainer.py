@@ -120,8 +120,8 @@ class OdinTrainer(Trainer):
         if self.recipe.units == "views":
             self._train_to_the_recipes_end()
         self._started = time.perf_counter()
-        self.engine.end_step = self._start_step + self.config.max_num_iterations
-        self.engine.save_every = self.config.steps_per_save
+        self.engine.rules.end_step = self._start_step + self.config.max_num_iterations
+        self.engine.rules.save_every = self.config.steps_per_save
         super().train()
 
     def _train_to_the_recipes_end(self) -> None:

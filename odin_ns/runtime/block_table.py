@@ -8,12 +8,13 @@ whom) without asking. Only owners change a block's row; `sync` spreads the owner
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from odin_ns.runtime.transport import all_gather_rows
-from odin_ns.scene.blocks import block_bounds
+from odin_ns.scene.blocks import block_bounds, build_layout
+from odin_ns.scene.ownership import assign_contiguous
 from odin_ns.runtime.waits import WaitLog
 
 _SYNC_WIDTH = 9  # version, count, lo xyz, hi xyz, max_scale
@@ -97,3 +98,21 @@ def expand_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> tor
     ends = torch.cumsum(counts, 0)
     offsets = torch.repeat_interleave(starts - (ends - counts), counts, output_size=total)
     return offsets + torch.arange(total, device=starts.device)
+
+
+def cut_blocks(means: torch.Tensor, scales: torch.Tensor, block_size: int, cut: str, world_size: int,
+               counts: Sequence[int] | None = None) -> Tuple[torch.Tensor, "BlockTable"]:
+    """Lay Gaussians out in blocks (k-d leaves or Morton runs of at most `block_size`; with `counts`, the rows
+    are in block order already and the blocks are those runs) and assign owners (contiguous shares of the
+    Gaussians); `scales` not log. (the rows' order, the table at version 0)."""
+    if counts is not None:
+        order = torch.arange(means.shape[0], device=means.device)
+        counts = torch.as_tensor(list(counts), dtype=torch.int64)
+    else:
+        layout = build_layout(means, scales, block_size=block_size, cut=cut)
+        order, counts = layout.order.to(means.device), layout.counts.clone()
+    owner = torch.as_tensor(assign_contiguous(counts.numpy().astype(float), world_size).owner, dtype=torch.int64)
+    block_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    lo, hi, _, _, max_scale = block_bounds(means[order], scales[order], block_of, len(counts))
+    return order, BlockTable(owner=owner, count=counts, lo=lo, hi=hi, max_scale=max_scale,
+                             version=torch.zeros(len(counts), dtype=torch.int64))

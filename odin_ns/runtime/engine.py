@@ -7,8 +7,9 @@ seams run the program step by step (`runtime.interpreter`): `validate` the actio
 (the owners' splats in), `render` its views, `publish` what follows (the splats' gradients out, the owners' update,
 the next reads' splats out, odin-barrier's barrier); throughput-first runs its communication on a lane beside the
 renders (`runtime.lane`). What travels is splats (`runtime.splat_path`); the state the handlers share is
-`runtime.rank_runtime`, reads behind are `runtime.admission`; phase boundaries (densify, prune, cut, rebalance,
-the table's sync) are `runtime.boundary`. The result does not depend on how many ranks
+`runtime.rank_runtime`, reads behind are `runtime.admission`; phases are planned by `schedule.phase_planner`;
+phase boundaries (densify, prune, cut, rebalance, the table's sync) are `runtime.boundary`, checkpoints in and out
+`runtime.whole_model`, the read sets' check `runtime.read_set_check`. The result does not depend on how many ranks
 share the global batch: N ranks with one view each equal one rank with a micro-batch of N views, bit for bit.
 """
 
@@ -17,20 +18,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import num_sh_bases
-from nerfstudio.utils.rich_utils import CONSOLE
 
-from odin_ns.render.projection import project
-from odin_ns.render.viewmat import get_viewmat
-from odin_ns.runtime.block_table import BlockTable
+from odin_ns.render.viewmat import view_projection
+from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.runtime.boundary import PhaseBoundary
 from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.fault_injection import FaultInjection
@@ -38,35 +35,20 @@ from odin_ns.runtime.interpreter import Program
 from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.rank_runtime import RankRuntime
+from odin_ns.runtime.read_set_check import ReadSetCheck
 from odin_ns.runtime.splat_path import SplatPath
-from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, packed_rows, unpack_params
+from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, packed_rows
 from odin_ns.runtime.transport import RECORD_ENV
 from odin_ns.runtime.waits import WaitLog
-from odin_ns.scene.block_refine import STATE_KEYS
-from odin_ns.scene.blocks import block_bounds, build_layout
-from odin_ns.scene.ownership import assign_contiguous
-from odin_ns.scene.read_sets import blocks_in_view, blocks_in_views, tight_step_bound
-from odin_ns.schedule.odin_order import OdinSchedule, odin_schedule
+from odin_ns.runtime.whole_model import WholeModel
+from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
-from odin_ns.schedule.views import ViewSchedule
 
 SENT_KEY = "odin/lane/gradients-sent/"  # + rank: the last step whose gradients the rank sent (inline lanes)
-NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
 
 
-def view_projection(camera: Cameras, downscale: int) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(viewmat [1,4,4] OpenCV world-to-camera, K [1,3,3], W, H) of one camera at the model's render resolution."""
-    cam = camera.to("cpu")
-    cam = Cameras(camera_to_worlds=cam.camera_to_worlds.clone(), fx=cam.fx.clone(), fy=cam.fy.clone(),
-                  cx=cam.cx.clone(), cy=cam.cy.clone(), width=cam.width.clone(), height=cam.height.clone(),
-                  camera_type=cam.camera_type.clone())
-    cam.rescale_output_resolution(1 / downscale)
-    width, height = int(cam.width.item()), int(cam.height.item())
-    return get_viewmat(cam.camera_to_worlds), cam.get_intrinsics_matrices(), width, height
-
-
-class OdinEngine(PhaseBoundary):
+class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
     """Owns the distributed state of one rank and runs its training steps: plans each phase, runs the rank's
     program of the phase at the pipeline's seams (validate, render, publish), and the phase boundaries."""
 
@@ -90,10 +72,9 @@ class OdinEngine(PhaseBoundary):
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
         self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
         self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
-        self.save_every = 0  # the trainer's checkpoint interval: a checkpoint step ends its phase
         self.block_cut = block_cut
-        self.phase_length = phase_length
-        self.end_step: int | None = None  # the trainer sets it: no phase plans messages past the last step
+        # where phases end (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
+        self.rules = PhaseRules.of_model(model, phase_length)
         self.plan: PhasePlan | None = None
         self.plans_made = 0
         self.fault = FaultInjection.from_environment()
@@ -105,9 +86,6 @@ class OdinEngine(PhaseBoundary):
         self.schedule_step = 0
         self.device = torch.device(model.device)
         self.log = WaitLog(env.rank)
-        self.schedule = ViewSchedule(num_views=len(datamanager.train_dataset), num_ranks=env.world_size,
-                                     micro_batch=micro_batch,
-                                     seed=datamanager.config.train_cameras_sampling_seed)
         self.micro_batch = micro_batch
         # load (and undistort) the training images now: undistortion rewrites the cameras' intrinsics in place,
         # and read sets must be computed with the cameras the views are rendered with
@@ -122,28 +100,20 @@ class OdinEngine(PhaseBoundary):
         downscale = model._get_downscale_factor()
         for v in range(len(datamanager.train_dataset)):
             self._projection(v, downscale)
-        if view_order == "odin":
-            self.schedule = self._odin_schedule(micro_batch, datamanager.config.train_cameras_sampling_seed)
-        elif view_order != "random":
-            raise ValueError(f"unknown view order {view_order!r} (odin or random)")
+        self.schedule = view_schedule(view_order, self.table, lambda v: self._projection(v, downscale),
+                                      len(datamanager.train_dataset), env.world_size, micro_batch,
+                                      datamanager.config.train_cameras_sampling_seed)
+        self.planner = PhasePlanner(env.world_size, micro_batch, self.schedule,
+                                    lambda v: self._projection(v, model._get_downscale_factor()),
+                                    self.policy.program_at(self.staleness).name, self.staleness, self.admit_overlap)
         model.engine = self
-
-    def _odin_schedule(self, micro_batch: int, seed: int) -> OdinSchedule:
-        """Odin's order from the initial model: each view's read set (blocks) and cost (Gaussians it reads)."""
-        downscale = self.model._get_downscale_factor()
-        table = self.table
-        masks = []
-        for v in range(len(self.datamanager.train_dataset)):
-            viewmat, K, W, H = self._projection(v, downscale)
-            masks.append(blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
-                                        max_scale=table.max_scale)[0])
-        return odin_schedule(torch.stack(masks), table.count, self.env.world_size, micro_batch, seed)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _shard_initial_model(self, block_size: int) -> None:
-        """Cut the (identical on every rank) initial model into blocks (k-d leaves or Morton runs) and keep this rank's share."""
+        """Cut the (identical on every rank) initial model into blocks (k-d leaves or Morton runs) and keep this
+        rank's share."""
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
         for n, value in self._shard_full(params, block_size).items():
             self.model.gauss_params[n] = torch.nn.Parameter(value)
@@ -155,84 +125,12 @@ class OdinEngine(PhaseBoundary):
         """Lay the whole model out in blocks, assign owners, build the table; this rank's rows of every
         tensor in `full` (parameters, or anything else with one row per Gaussian). With `counts` (a checkpoint's
         blocks: `full` is in block order) the blocks are those runs of rows instead of a new cut."""
-        if counts is not None:
-            order = torch.arange(full["means"].shape[0], device=full["means"].device)
-            counts = torch.as_tensor(list(counts), dtype=torch.int64)
-        else:
-            layout = build_layout(full["means"], torch.exp(full["scales"]), block_size=block_size, cut=self.block_cut)
-            order, counts = layout.order.to(full["means"].device), layout.counts.clone()
+        order, self.table = cut_blocks(full["means"], torch.exp(full["scales"]), block_size, self.block_cut,
+                                       self.env.world_size, counts)
         ordered = {n: p[order] for n, p in full.items()}
-        ownership = assign_contiguous(counts.numpy().astype(float), self.env.world_size)
-        owner = torch.as_tensor(ownership.owner, dtype=torch.int64)
-        block_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        lo, hi, _, _, max_scale = block_bounds(ordered["means"], torch.exp(ordered["scales"]), block_of, len(counts))
-        self.table = BlockTable(owner=owner, count=counts, lo=lo, hi=hi, max_scale=max_scale,
-                                version=torch.zeros(len(counts), dtype=torch.int64))
-        mine = (owner[block_of] == self.env.rank).to(full["means"].device)
+        block_of = torch.repeat_interleave(torch.arange(self.table.num_blocks), self.table.count)
+        mine = (self.table.owner[block_of] == self.env.rank).to(full["means"].device)
         return {n: t[mine].contiguous() for n, t in ordered.items()}
-
-    @torch.no_grad()
-    def adopt_full_model(self, moments: Dict[str, Dict[str, torch.Tensor]], optimizers,
-                         resume: Dict | None = None) -> None:
-        """After a checkpoint loaded the whole model into every rank: re-shard it (any rank count) with its moments.
-
-        `moments[name]` holds "exp_avg"/"exp_avg_sq" of the whole model and "step" (one number). `resume` is what
-        an odin checkpoint adds (`resume_state`): its blocks, kept as they were (so a resumed run renders the
-        same rows in the same order as one that never stopped), gsplat's densification statistics and
-        throughput-first's evidence; without it (a plain splatfacto checkpoint) the model is cut afresh."""
-        full = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-        n_rows = full["means"].shape[0]
-        for n in PARAM_NAMES:
-            for key in ("exp_avg", "exp_avg_sq"):
-                full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n]))
-        resume = resume or {}
-        counts = resume.get("blocks")
-        if counts is not None and (sum(counts) != n_rows or max(counts, default=0) > self.block_size):
-            counts = None  # another model, or a smaller --pipeline.block-size: cut afresh
-        strategy = resume.get("strategy", {}) if counts is not None else {}
-        for k, v in strategy.items():
-            full[f"state:{k}"] = v.to(full["means"].device)
-        mine = self._shard_full(full, self.block_size, counts)
-        for n in PARAM_NAMES:
-            optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
-            self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)
-            step = moments.get(n, {}).get("step")
-            if step is not None:
-                optimizers.optimizers[n].state[self.model.gauss_params[n]]["step"] = torch.as_tensor(
-                    step, dtype=torch.float32).clone()
-        for k in STATE_KEYS:
-            self.model.strategy_state[k] = mine.get(f"state:{k}")
-        self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
-        self._new_runner()
-        evidence = resume.get("evidence") if counts is not None else None
-        if evidence is not None and self.staleness:
-            self.runtime.rel_now = torch.as_tensor(evidence, dtype=torch.float64).clone()
-            self.runtime._structural = False
-
-    def resume_state(self) -> Dict | None:
-        """What a resumed run needs beyond nerfstudio's checkpoint to go on as if it never stopped (collective; rank
-        0 gets it, None elsewhere): the block of every row (as counts, rows in block order), gsplat's densification
-        statistics since the last refine, and throughput-first's evidence (each block's last update size)."""
-        state = self.model.strategy_state
-        n = self.model.gauss_params["means"].shape[0]
-        columns = [state[k].reshape(n, 1).float() if isinstance(state.get(k), torch.Tensor) and state[k].shape[0] == n
-                   else torch.zeros((n, 1), device=self.device) for k in STATE_KEYS]
-        rows = torch.cat(columns, dim=1)
-        full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
-        evidence = None
-        if self.staleness:
-            mine = {int(b): float(self.runtime.rel_now[b]) for b in self.table.owned(self.env.rank)}
-            every = [None] * self.env.world_size
-            dist.all_gather_object(every, mine)
-            evidence = torch.full((self.table.num_blocks,), math.inf, dtype=torch.float64)
-            for part in every:
-                for b, value in part.items():
-                    evidence[b] = value
-        if self.env.rank != 0:
-            return None
-        return {"blocks": self.table.count.tolist(),
-                "strategy": {k: full[:, i].clone().cpu() for i, k in enumerate(STATE_KEYS)},
-                "evidence": evidence}
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
@@ -248,88 +146,12 @@ class OdinEngine(PhaseBoundary):
 
     # ---- phases ---------------------------------------------------------------------------------------------
 
-    def _is_refine_step(self, step: int) -> bool:
-        """gsplat's DefaultStrategy schedule: grow/prune every refine_every, opacity reset every reset_every."""
-        st = self.model.strategy
-        if step >= st.refine_stop_iter:
-            return False
-        grow = (step > st.refine_start_iter and step % st.refine_every == 0
-                and step % st.reset_every >= st.pause_refine_after_reset)
-        return grow or step % st.reset_every == 0
-
-    def _sh_degree_changes_at(self, step: int) -> bool:
-        """Splatfacto renders with SH degree min(step // sh_degree_interval, sh_degree)."""
-        interval, degree = self.model.config.sh_degree_interval, self.model.config.sh_degree
-        return interval > 0 and step % interval == 0 and 0 < step // interval <= degree
-
-    def _phase_stop(self, start: int) -> int:
-        """First step after the phase that starts at `start`: a refine step ends its phase, and so does a
-        checkpoint step (every update applied before it is saved), the end of training and the phase length (a
-        longer phase inflates its read sets by a larger motion bound); an SH degree change starts a phase. So no
-        read is ever behind across a structural change."""
-        stop = start + max(1, self.phase_length)
-        if self.end_step is not None:
-            stop = min(stop, max(self.end_step, start + 1))
-        for s in range(start, stop):
-            if s > start and self._sh_degree_changes_at(s):
-                return s
-            if self._is_refine_step(s) or (self.save_every and s > 0 and s % self.save_every == 0):
-                return s + 1
-        return stop
-
-    def _step_bound(self, name: str, optimizers, updates: int, done: int | None = None) -> float:
-        """Rigorous bound on how much one element of `name` can change in the next `updates` selective-Adam steps
-        (`done`: Adam steps already taken, read from the optimizer unless given, as a preview without training
-        does)."""
-        opt = optimizers.optimizers[name]
-        group = opt.param_groups[0]
-        lr = max(float(group["lr"]), float(group.get("initial_lr", group["lr"])))
-        state = opt.state.get(self.model.gauss_params[name], {})
-        t = done if done is not None else (int(state["step"].item()) if "step" in state else 0)
-        return sum(tight_step_bound(lr, group["betas"], t + 1 + i, group.get("bias_correction", True))
-                   for i in range(updates))
-
     def _plan_phase(self, start: int, optimizers, done: int | None = None) -> PhasePlan:
-        """Every rank derives the same plan: views from the schedule, read sets from the synced table's bounds
-        inflated, step by step, by the motion the optimizer can make since the phase started. The read sets of
-        every view of the phase come from one batched test (`blocks_in_views`); computing the other ranks' is
-        cheaper than exchanging them. The plan keeps them as a tensor too (`read_mask[i, q, j, b]`)."""
-        stop = self._phase_stop(start)
-        downscale = self.model._get_downscale_factor()
-        table = self.table
-        views = [self.schedule.global_views(step) for step in range(start, stop)]
-        motion = [math.sqrt(3.0) * self._step_bound("means", optimizers, i, done) for i in range(stop - start)]
-        growth = [self._step_bound("scales", optimizers, i, done) for i in range(stop - start)]
-        R, mb = self.env.world_size, self.schedule.micro_batch
-        flat = [(i, v) for i, step_views in enumerate(views) for rank_views in step_views for v in rank_views]
-        projections = [self._projection(v, downscale) for _, v in flat]
-        mask = blocks_in_views(table.lo, table.hi, torch.cat([p[0] for p in projections]),
-                               torch.cat([p[1] for p in projections]), torch.tensor([p[2] for p in projections]),
-                               torch.tensor([p[3] for p in projections]), table.max_scale,
-                               torch.tensor([motion[i] for i, _ in flat]), torch.tensor([growth[i] for i, _ in flat]),
-                               near=NEAR_PLANE)
-        mask &= (table.count > 0)[None, :]
-        read_mask = mask.view(stop - start, R, mb, -1)
-        hits = torch.nonzero(mask)
-        per_view = torch.bincount(hits[:, 0], minlength=len(flat)).tolist()
-        ids = hits[:, 1].tolist()
-        reads, k, at = [], 0, 0
-        for i in range(stop - start):
-            per_step = []
-            for q in range(R):
-                per_rank = []
-                for _ in range(mb):
-                    per_rank.append(ids[at:at + per_view[k]])
-                    at += per_view[k]
-                    k += 1
-                per_step.append(per_rank)
-            reads.append(per_step)
-        plan = PhasePlan(start=start, stop=stop, num_ranks=R, owner=table.owner.tolist(), views=views, reads=reads,
-                         policy_name=self.policy.program_at(self.staleness).name, motion=motion, growth=growth,
-                         staleness=self.staleness,
-                         admit_overlap=self.admit_overlap, counts=table.count.tolist())
-        plan.read_mask = read_mask
-        return plan
+        """The phase that starts at `start`: read sets from the synced table's bounds inflated, step by step, by
+        the motion the optimizer can make since the phase started (`schedule.phase_planner`)."""
+        stop = self.rules.stop(start)
+        motion, growth = motion_bounds(optimizers, self.model.gauss_params, stop - start, done)
+        return self.planner.plan(start, stop, self.table, motion, growth)
 
     def _begin_phase(self, step: int, optimizers) -> None:
         """Plan the phase, start its program: the phase-start publications go out with the first step's waits."""
@@ -359,7 +181,7 @@ class OdinEngine(PhaseBoundary):
             self.lane = None
         with self.log.waiting("phase"):
             self.runtime.finish()
-            if self._is_refine_step(step):
+            if self.rules.is_refine_step(step):
                 self._refine(step, optimizers)
             else:
                 self._sync_table()
@@ -532,73 +354,4 @@ class OdinEngine(PhaseBoundary):
 
     def _lane_publish(self, group) -> None:
         self.splats.publish(group[0].step, [a.peer for a in group])
-
-    def _visible(self, view: int, rows: Dict[str, torch.Tensor]) -> int:
-        """How many of these Gaussians gsplat's projection keeps (radius > 0) in training view `view`."""
-        if rows["means"].shape[0] == 0:
-            return 0
-        viewmat, K, W, H = self._projection(view, self.model._get_downscale_factor())
-        dev = rows["means"].device
-        radii = project(rows["means"], rows["quats"], torch.exp(rows["scales"]), None, viewmat.to(dev), K.to(dev),
-                        W, H, 0.3, NEAR_PLANE, 1e10, 0.0, False)[0]
-        return int((radii > 0).sum())
-
-    @torch.no_grad()
-    def _count_misses(self, step: int) -> int:
-        """DESIGN.md semantics 6, verified by the owners (`--pipeline.check-read-sets`): Gaussians of this rank's
-        blocks that some view of the step keeps although their block was not in what that view rendered.
-
-        The parameters are those the views of `step` rendered (before this step's update). Read sets are
-        conservative by construction and the runtime adds a block to a read set when an update takes it outside
-        its planned bounds, so this is zero; a miss is reported on the console and counted in odin_stats.json
-        (`read_set_misses`), never ignored."""
-        ranges = self.table.owned_ranges(self.env.rank)
-        if not ranges:
-            return 0
-        params = {n: t.detach() for n, t in self.model.gauss_params.items() if n in PARAM_NAMES}
-        misses = 0
-        extras = self.runtime.extras_out.get(step, {})
-        for q, views in enumerate(self.plan.views[self.plan.index(step)]):
-            for j, view in enumerate(views):
-                seen = set(self.plan.view_reads(step, q)[j])
-                if q == self.env.rank:
-                    seen |= set(self._step_views[j])
-                seen |= {b for jj, b in extras.get(q, []) if jj == j}
-                outside = sorted(set(ranges) - seen)
-                if not outside:
-                    continue
-                rows = torch.cat([torch.arange(*ranges[b]) for b in outside]).to(params["means"].device)
-                found = self._visible(view, {n: t[rows] for n, t in params.items()})
-                if found:
-                    CONSOLE.log(f"[bold red]odin: rank {self.env.rank}: {found} Gaussians visible from view {view} "
-                                f"(rank {q}) lie outside its read set[/bold red]")
-                misses += found
-        return misses
-
-    # ---- the whole model on rank 0 ---------------------------------------------------------------------------
-    def gather_full(self) -> Dict[str, torch.Tensor] | None:
-        """Every block's parameters on rank 0 in block order (collective); None elsewhere."""
-        owned_rows = pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
-        if not self.env.distributed:
-            return {n: t.clone() for n, t in unpack_params(owned_rows, self.num_rest).items()}
-        rows = self.sharded.gather_to(0, owned_rows)
-        if rows is None:
-            return None
-        return {n: t.contiguous() for n, t in unpack_params(rows, self.num_rest).items()}
-
-    def gather_optimizer_states(self, optimizers) -> Dict[str, Dict[str, torch.Tensor]] | None:
-        """The Adam moments of every Gaussian on rank 0, in block order (collective); None elsewhere."""
-        gathered: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in PARAM_NAMES}
-        for key in ("exp_avg", "exp_avg_sq"):
-            owned = {}
-            for n in PARAM_NAMES:
-                param = self.model.gauss_params[n]
-                owned[n] = optimizers.optimizers[n].state.get(param, {}).get(key, torch.zeros_like(param))
-            rows = pack_params(owned)
-            full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
-            if full is None:
-                continue
-            for n, t in unpack_params(full, self.num_rest).items():
-                gathered[n][key] = t.contiguous()
-        return gathered if self.env.rank == 0 else None
 

@@ -18,8 +18,8 @@ Where the lane runs (`--pipeline.lane`):
   step t+1 the rank runs the lane as far as that render's reads need (the gradients of step t out, the reads
   admitted behind taken), then its update of step t and the publications after it if every reader has already
   sent its gradients of step t (`probe`); if one has not, the rank renders t+1 first and updates after it,
-  instead of waiting for the peer. Nothing competes with the renders for the processor (a thread takes the cores the renders need, and
-  Python's lock), but a rank that renders first publishes its update a render later.
+  instead of waiting for the peer. Nothing competes with the renders for the processor (a thread takes the cores
+  the renders need, and Python's lock), but a rank that renders first publishes its update a render later.
 Either way the versions every render reads are the plan's (and the evidence's), never the timing's: both give the
 same model bit for bit.
 """

@@ -3,8 +3,8 @@ scenes that do not train here (a real point cloud with an orbit of cameras, a ge
 Gaussians and thousands of views).
 
 It makes what the runtime makes at start-up and at each phase start, with the same functions: blocks cut from the
-points (`build_layout`), owners (`assign_contiguous`), each view's read set (`blocks_in_views`), Odin's view order
-(`odin_schedule`), then one `PhasePlan` per phase of `phase_length` steps. The optimizer's motion bound is left
+points and their owners (`cut_blocks`), the view order (`view_schedule`), then one `PhasePlan` per phase of
+`phase_length` steps from the planner every rank plans with (`PhasePlanner`). The optimizer's motion bound is left
 out (no optimizer runs): read sets are those of the initial model.
 """
 
@@ -14,14 +14,10 @@ from typing import Optional
 
 import torch
 
-from odin_ns.runtime.engine import NEAR_PLANE
-from odin_ns.scene.blocks import block_bounds, build_layout
-from odin_ns.scene.ownership import assign_contiguous
+from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.scene.read_sets import blocks_in_views
-from odin_ns.schedule.odin_order import odin_schedule
-from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.phase_planner import NEAR_PLANE, PhasePlanner, view_schedule
 from odin_ns.schedule.preview import Preview
-from odin_ns.schedule.views import ViewSchedule
 
 
 
@@ -59,27 +55,15 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     """Plans of the first `steps` steps on `ranks` ranks. `scales`: [N, 3] (not log); `viewmats` [V, 4, 4]
     world-to-camera, `Ks` [V, 3, 3] at `width` x `height`; `pixels`: the render resolution the costs assume
     (default width x height)."""
-    layout = build_layout(means, scales, block_size=block_size, cut="kd")
-    order, counts = layout.order, layout.counts.clone()
-    block_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    lo, hi, _, _, max_scale = block_bounds(means[order], scales[order], block_of, len(counts))
-    owner = torch.as_tensor(assign_contiguous(counts.numpy().astype(float), ranks).owner, dtype=torch.int64)
+    order, table = cut_blocks(means, scales, block_size, "kd", ranks)
+    counts, lo, hi = table.count, table.lo, table.hi
     V = viewmats.shape[0]
-    mask = blocks_in_views(lo, hi, viewmats, Ks, torch.full((V,), width), torch.full((V,), height), max_scale,
+    cameras = [(viewmats[v:v + 1], Ks[v:v + 1], width, height) for v in range(V)]
+    schedule = view_schedule(view_order, table, cameras.__getitem__, V, ranks, micro_batch, seed)
+    planner = PhasePlanner(ranks, micro_batch, schedule, cameras.__getitem__)
+    plans = [planner.plan(start, min(start + phase_length, steps), table) for start in range(0, steps, phase_length)]
+    mask = blocks_in_views(lo, hi, viewmats, Ks, torch.full((V,), width), torch.full((V,), height), table.max_scale,
                            torch.zeros(V), torch.zeros(V), near=NEAR_PLANE) & (counts > 0)[None, :]
-    if view_order == "odin":
-        schedule = odin_schedule(mask, counts, ranks, micro_batch, seed)
-    else:
-        schedule = ViewSchedule(num_views=V, num_ranks=ranks, micro_batch=micro_batch, seed=seed)
-    reads_of = [torch.nonzero(m).flatten().tolist() for m in mask]
-    plans, start = [], 0
-    while start < steps:
-        stop = min(start + phase_length, steps)
-        views = [schedule.global_views(step) for step in range(start, stop)]
-        reads = [[[reads_of[v] for v in rank_views] for rank_views in step_views] for step_views in views]
-        plans.append(PhasePlan(start=start, stop=stop, num_ranks=ranks, owner=owner.tolist(), views=views,
-                               reads=reads, counts=counts.tolist()))
-        start = stop
     filled = counts > 0
     diag = float(torch.linalg.norm(hi[filled].amax(0) - lo[filled].amin(0))) or 1.0
     extent = [float(torch.linalg.norm(hi[b] - lo[b])) / diag if filled[b] else 0.0 for b in range(len(counts))]

@@ -19,7 +19,7 @@ reads the owner's blocks at any of the steps u+1 .. u+1+staleness (the publicati
 that skips the newest version of a block still holds the one before it. The plan's part of the admission is
 `schedule_admits`: a read at step t may use the version of update t-1-k (k <= staleness, never from before the
 phase start) when the share of the view's Gaussians in the owner's blocks that the pending steps t-k .. t-1
-update is at most `admit_overlap`; the runtime's gradient evidence decides the rest (`runtime.rank_runtime.RankRuntime.admits`). The
+update is at most `admit_overlap`; the runtime's gradient evidence decides the rest (`runtime.admission`). The
 action lists assume every read the plan admits is admitted (the prediction's upper bound); a stale wait reads
 `W b3@v6 <-r1 ~1` (one version behind).
 

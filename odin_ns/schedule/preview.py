@@ -1,10 +1,10 @@
 """The plan of a training run, made without training: what `odin-schedule` prints and writes.
 
 It builds what a rank builds at start-up (nerfstudio's datamanager and the odin model from the same config,
-the Morton blocks and their owners for N ranks, Odin's view order) in this one process, then plans the phases
-of the first K steps the way the runtime does at each phase start. Phases after a refine step are planned at
-run time from the refined blocks; the preview plans them from the initial blocks (with the optimizer's motion
-bound of their true step count), so their read sets are what an unchanged model would read.
+the blocks and their owners for N ranks, the view order) in this one process, then plans the phases of the first K
+steps with the planner every rank plans with at each phase start (`schedule.phase_planner`). Phases after a refine
+step are planned at run time from the refined blocks; the preview plans them from the initial blocks (with the
+optimizer's motion bound of their true step count), so their read sets are what an unchanged model would read.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 
 from nerfstudio.engine.optimizers import Optimizers
 
-from odin_ns.runtime.dist_env import DistEnv
-from odin_ns.runtime.engine import NEAR_PLANE, OdinEngine
+from odin_ns.render.viewmat import view_projection
+from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.scene.read_sets import blocks_in_view
+from odin_ns.schedule.phase_planner import NEAR_PLANE, PhasePlanner, PhaseRules, motion_bounds, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
 
@@ -72,23 +73,30 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     from odin_ns.pipeline import setup_model  # the pipeline module imports the engine; keep this one light
 
     model = setup_model(pipe, datamanager, "cpu")
-    initial = {n: model.gauss_params[n].detach().clone() for n in ("means", "scales")}  # before it is sharded
-    engine = OdinEngine(DistEnv(rank=0, world_size=ranks), model, datamanager, pipe.block_size, pipe.micro_batch,
-                        pipe.seed, policy=pipe.policy, phase_length=pipe.phase_length, view_order=pipe.view_order,
-                        block_cut=pipe.block_cut)
+    datamanager.cached_train  # noqa: B018 (undistortion rewrites the cameras' intrinsics in place, as at start-up)
+    initial = {n: model.gauss_params[n].detach().clone() for n in ("means", "scales")}
+    order, table = cut_blocks(initial["means"], torch.exp(initial["scales"]), pipe.block_size, pipe.block_cut, ranks)
+    downscale = model._get_downscale_factor()
+    cameras = datamanager.train_dataset.cameras
+    projections = [view_projection(cameras[v:v + 1], downscale) for v in range(len(datamanager.train_dataset))]
+    schedule = view_schedule(pipe.view_order, table, projections.__getitem__, len(projections), ranks,
+                             pipe.micro_batch, datamanager.config.train_cameras_sampling_seed)
+    # as a rank plans (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
+    rules = PhaseRules.of_model(model, pipe.phase_length)
+    rules.end_step, rules.save_every = first_step + steps, config.steps_per_save
+    policy = POLICIES[pipe.policy]  # the run's own lists (`policy_plans` gives every policy's)
+    staleness = pipe.max_staleness if policy.stale_reads and ranks > 1 else 0
+    planner = PhasePlanner(ranks, pipe.micro_batch, schedule, projections.__getitem__,
+                           policy.program_at(staleness).name, staleness, pipe.admit_overlap if staleness else 0.0)
     optimizers = Optimizers(config.optimizers.copy(), model.get_param_groups())
-    engine.end_step = first_step + steps
-    engine.save_every = config.steps_per_save  # as the trainer sets it: a checkpoint step ends its phase
     plans, start = [], first_step
     while start < first_step + steps:
-        plan = engine._plan_phase(start, optimizers, done=start)
-        plans.append(plan)
-        start = plan.stop
-    table = engine.table
-    downscale = model._get_downscale_factor()
+        stop = rules.stop(start)
+        plans.append(planner.plan(start, stop, table, *motion_bounds(optimizers, model.gauss_params, stop - start,
+                                                                     done=start)))
+        start = stop
     gaussians, pixels = [], []
-    for v in range(len(datamanager.train_dataset)):
-        viewmat, K, W, H = engine._projection(v, downscale)
+    for viewmat, K, W, H in projections:
         mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
                               max_scale=table.max_scale)[0] & (table.count > 0)
         gaussians.append(float(table.count[mask].sum()))
@@ -98,17 +106,13 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
     extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
               for b in range(len(table.count))]
-    from odin_ns.scene.blocks import build_layout
     from odin_ns.schedule.geometry_plan import visible_share
 
-    layout = build_layout(initial["means"], torch.exp(initial["scales"]), block_size=pipe.block_size,
-                          cut=pipe.block_cut)  # the engine's cut of the same points
-    projections = [engine._projection(v, downscale) for v in range(len(gaussians))]
     sizes = {(p[2], p[3]) for p in projections}
     visible = None
-    if len(sizes) == 1 and torch.equal(layout.counts, table.count):
+    if len(sizes) == 1:
         (W, H), = sizes
-        visible = visible_share(initial["means"][layout.order], table.count, torch.cat([p[0] for p in projections]),
+        visible = visible_share(initial["means"][order], table.count, torch.cat([p[0] for p in projections]),
                                 torch.cat([p[1] for p in projections]), W, H)
     return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=pixels,
                    block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians),

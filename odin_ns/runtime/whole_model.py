@@ -1,0 +1,112 @@
+"""The whole model of a sharded run: checkpoints in, checkpoints out (a part of the engine).
+
+nerfstudio saves and loads one model; a run's ranks each hold their owned blocks. Rank 0 gathers every block (and
+the Adam moments) in block order for a checkpoint, the viewer and evaluation (`gather_full`,
+`gather_optimizer_states`), with what a resumed run needs beyond nerfstudio's keys to go on as if it never stopped
+(`resume_state`); a loaded checkpoint is re-sharded on any rank count (`adopt_full_model`). `WholeModel` is a
+mixin: the state is the engine's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
+from odin_ns.scene.block_refine import STATE_KEYS
+
+
+class WholeModel:
+    """Gather to rank 0 and re-shard from a whole model (mixed into `runtime.engine.OdinEngine`)."""
+
+    @torch.no_grad()
+    def adopt_full_model(self, moments: Dict[str, Dict[str, torch.Tensor]], optimizers,
+                         resume: Dict | None = None) -> None:
+        """After a checkpoint loaded the whole model into every rank: re-shard it (any rank count) with its moments.
+
+        `moments[name]` holds "exp_avg"/"exp_avg_sq" of the whole model and "step" (one number). `resume` is what
+        an odin checkpoint adds (`resume_state`): its blocks, kept as they were (so a resumed run renders the
+        same rows in the same order as one that never stopped), gsplat's densification statistics and
+        throughput-first's evidence; without it (a plain splatfacto checkpoint) the model is cut afresh."""
+        full = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        n_rows = full["means"].shape[0]
+        for n in PARAM_NAMES:
+            for key in ("exp_avg", "exp_avg_sq"):
+                full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n]))
+        resume = resume or {}
+        counts = resume.get("blocks")
+        if counts is not None and (sum(counts) != n_rows or max(counts, default=0) > self.block_size):
+            counts = None  # another model, or a smaller --pipeline.block-size: cut afresh
+        strategy = resume.get("strategy", {}) if counts is not None else {}
+        for k, v in strategy.items():
+            full[f"state:{k}"] = v.to(full["means"].device)
+        mine = self._shard_full(full, self.block_size, counts)
+        for n in PARAM_NAMES:
+            optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
+            self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)
+            step = moments.get(n, {}).get("step")
+            if step is not None:
+                optimizers.optimizers[n].state[self.model.gauss_params[n]]["step"] = torch.as_tensor(
+                    step, dtype=torch.float32).clone()
+        for k in STATE_KEYS:
+            self.model.strategy_state[k] = mine.get(f"state:{k}")
+        self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
+        self._new_runner()
+        evidence = resume.get("evidence") if counts is not None else None
+        if evidence is not None and self.staleness:
+            self.runtime.rel_now = torch.as_tensor(evidence, dtype=torch.float64).clone()
+            self.runtime._structural = False
+
+    def resume_state(self) -> Dict | None:
+        """What a resumed run needs beyond nerfstudio's checkpoint to go on as if it never stopped (collective; rank
+        0 gets it, None elsewhere): the block of every row (as counts, rows in block order), gsplat's densification
+        statistics since the last refine, and throughput-first's evidence (each block's last update size)."""
+        state = self.model.strategy_state
+        n = self.model.gauss_params["means"].shape[0]
+        columns = [state[k].reshape(n, 1).float() if isinstance(state.get(k), torch.Tensor) and state[k].shape[0] == n
+                   else torch.zeros((n, 1), device=self.device) for k in STATE_KEYS]
+        rows = torch.cat(columns, dim=1)
+        full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
+        evidence = None
+        if self.staleness:
+            mine = {int(b): float(self.runtime.rel_now[b]) for b in self.table.owned(self.env.rank)}
+            every = [None] * self.env.world_size
+            dist.all_gather_object(every, mine)
+            evidence = torch.full((self.table.num_blocks,), math.inf, dtype=torch.float64)
+            for part in every:
+                for b, value in part.items():
+                    evidence[b] = value
+        if self.env.rank != 0:
+            return None
+        return {"blocks": self.table.count.tolist(),
+                "strategy": {k: full[:, i].clone().cpu() for i, k in enumerate(STATE_KEYS)},
+                "evidence": evidence}
+
+    def gather_full(self) -> Dict[str, torch.Tensor] | None:
+        """Every block's parameters on rank 0 in block order (collective); None elsewhere."""
+        owned_rows = pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
+        if not self.env.distributed:
+            return {n: t.clone() for n, t in unpack_params(owned_rows, self.num_rest).items()}
+        rows = self.sharded.gather_to(0, owned_rows)
+        if rows is None:
+            return None
+        return {n: t.contiguous() for n, t in unpack_params(rows, self.num_rest).items()}
+
+    def gather_optimizer_states(self, optimizers) -> Dict[str, Dict[str, torch.Tensor]] | None:
+        """The Adam moments of every Gaussian on rank 0, in block order (collective); None elsewhere."""
+        gathered: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in PARAM_NAMES}
+        for key in ("exp_avg", "exp_avg_sq"):
+            owned = {}
+            for n in PARAM_NAMES:
+                param = self.model.gauss_params[n]
+                owned[n] = optimizers.optimizers[n].state.get(param, {}).get(key, torch.zeros_like(param))
+            rows = pack_params(owned)
+            full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
+            if full is None:
+                continue
+            for n, t in unpack_params(full, self.num_rest).items():
+                gathered[n][key] = t.contiguous()
+        return gathered if self.env.rank == 0 else None

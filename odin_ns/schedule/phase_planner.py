@@ -1,0 +1,159 @@
+"""The planner of phases: the one place a `PhasePlan` is made.
+
+Every rank of a run plans each phase with it (`runtime.engine`), and so do the offline preview (`odin-schedule`,
+`odin-bench predict` on the built-in scenes and the fox: `schedule.preview`) and the prediction from points and
+cameras (`schedule.geometry_plan`): the same views, read sets and lists wherever a plan is made.
+- `view_schedule`: which views every rank renders at every step (nerfstudio's seeded order, or Odin's by region);
+- `PhaseRules`: where a phase ends (splatfacto's refine schedule, SH degree changes, checkpoints, the end of
+  training, the phase length);
+- `motion_bounds`: the rigorous bound on how far selective Adam moves a mean and grows a log-scale in the steps of
+  a phase, from the optimizers' settings;
+- `PhasePlanner.plan`: the views of every rank at every step (the view schedule) and each view's read set, from one
+  batched test of the block table's bounds, inflated by those bounds, against every view's frustum.
+Written by hand: nerfstudio and gsplat have no notion of a phase.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from odin_ns.scene.read_sets import blocks_in_view, blocks_in_views, tight_step_bound
+from odin_ns.schedule.odin_order import odin_schedule
+from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.views import ViewSchedule
+
+NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
+
+
+@dataclass
+class PhaseRules:
+    """What ends a phase. A refine step ends its phase, and so does a checkpoint step (every update applied before
+    it is saved), the end of training and the phase length (a longer phase inflates its read sets by a larger
+    motion bound); an SH degree change starts a phase. So no read is ever behind across a structural change."""
+
+    phase_length: int = 25
+    refine_start_iter: int = 0
+    refine_stop_iter: int = 0  # 0: no refine step
+    refine_every: int = 1
+    reset_every: int = 1
+    pause_refine_after_reset: int = 0
+    sh_degree_interval: int = 0
+    sh_degree: int = 0
+    save_every: int = 0  # the trainer's checkpoint interval (0: none inside the run)
+    end_step: Optional[int] = None  # no phase plans messages past the last step
+
+    @classmethod
+    def of_model(cls, model, phase_length: int) -> "PhaseRules":
+        st, cfg = model.strategy, model.config
+        return cls(phase_length=phase_length, refine_start_iter=st.refine_start_iter,
+                   refine_stop_iter=st.refine_stop_iter, refine_every=st.refine_every, reset_every=st.reset_every,
+                   pause_refine_after_reset=st.pause_refine_after_reset, sh_degree_interval=cfg.sh_degree_interval,
+                   sh_degree=cfg.sh_degree)
+
+    def is_refine_step(self, step: int) -> bool:
+        """gsplat's DefaultStrategy schedule: grow/prune every refine_every, opacity reset every reset_every."""
+        if step >= self.refine_stop_iter:
+            return False
+        grow = (step > self.refine_start_iter and step % self.refine_every == 0
+                and step % self.reset_every >= self.pause_refine_after_reset)
+        return grow or step % self.reset_every == 0
+
+    def sh_degree_changes_at(self, step: int) -> bool:
+        """Splatfacto renders with SH degree min(step // sh_degree_interval, sh_degree)."""
+        interval = self.sh_degree_interval
+        return interval > 0 and step % interval == 0 and 0 < step // interval <= self.sh_degree
+
+    def stop(self, start: int) -> int:
+        """The first step after the phase that starts at `start`."""
+        stop = start + max(1, self.phase_length)
+        if self.end_step is not None:
+            stop = min(stop, max(self.end_step, start + 1))
+        for s in range(start, stop):
+            if s > start and self.sh_degree_changes_at(s):
+                return s
+            if self.is_refine_step(s) or (self.save_every and s > 0 and s % self.save_every == 0):
+                return s + 1
+        return stop
+
+
+def view_schedule(view_order: str, table, camera: Callable[[int], tuple], num_views: int, num_ranks: int,
+                  micro_batch: int, seed: int):
+    """nerfstudio's seeded random order ("random"), or Odin's ("odin": each view to the rank whose share of the
+    blocks holds most of what it reads, from each view's read set in `table` and its cost)."""
+    if view_order == "random":
+        return ViewSchedule(num_views=num_views, num_ranks=num_ranks, micro_batch=micro_batch, seed=seed)
+    if view_order != "odin":
+        raise ValueError(f"unknown view order {view_order!r} (odin or random)")
+    masks = [blocks_in_view(table.lo, table.hi, *camera(v), near=NEAR_PLANE, max_scale=table.max_scale)[0]
+             for v in range(num_views)]
+    return odin_schedule(torch.stack(masks), table.count, num_ranks, micro_batch, seed)
+
+
+def motion_bounds(optimizers, params, steps: int, done: Optional[int] = None) -> Tuple[List[float], List[float]]:
+    """Per step i of a phase of `steps` steps: a rigorous bound on how far a mean can have moved (Euclidean) and a
+    log-scale can have grown in the i selective-Adam steps since the phase started. `done`: Adam steps already
+    taken, read from the optimizers unless given (a preview without training gives it)."""
+
+    def bound(name: str, updates: int) -> float:
+        opt = optimizers.optimizers[name]
+        group = opt.param_groups[0]
+        lr = max(float(group["lr"]), float(group.get("initial_lr", group["lr"])))
+        state = opt.state.get(params[name], {})
+        t = done if done is not None else (int(state["step"].item()) if "step" in state else 0)
+        return sum(tight_step_bound(lr, group["betas"], t + 1 + i, group.get("bias_correction", True))
+                   for i in range(updates))
+
+    return ([math.sqrt(3.0) * bound("means", i) for i in range(steps)], [bound("scales", i) for i in range(steps)])
+
+
+class PhasePlanner:
+    """Plans phases of `num_ranks` ranks with `micro_batch` views each per step. `schedule.global_views(step)`
+    gives every rank's views of a step; `camera(view)` a view's (viewmat [1, 4, 4], K [1, 3, 3], W, H) at the
+    resolution read sets are tested at; `policy_name`, `staleness` and `admit_overlap` are what the plans carry."""
+
+    def __init__(self, num_ranks: int, micro_batch: int, schedule, camera: Callable[[int], tuple],
+                 policy_name: str = "quality", staleness: int = 0, admit_overlap: float = 0.0):
+        self.num_ranks, self.micro_batch = num_ranks, micro_batch
+        self.schedule, self.camera = schedule, camera
+        self.policy_name, self.staleness, self.admit_overlap = policy_name, staleness, admit_overlap
+
+    def plan(self, start: int, stop: int, table, motion: Sequence[float] = (), growth: Sequence[float] = ()
+             ) -> PhasePlan:
+        """Every rank derives the same plan of steps [start, stop) from the (synced) block table `table` (owner,
+        count, lo, hi, max_scale per block): each view's read set is the blocks whose bounds, inflated by step i's
+        `motion` and `growth` (zero where not given), meet its frustum, every view of the phase in one batched test
+        (computing the other ranks' is cheaper than exchanging them). The plan keeps them as a tensor too
+        (`read_mask[i, q, j, b]`)."""
+        n, R, mb = stop - start, self.num_ranks, self.micro_batch
+        motion, growth = list(motion) or [0.0] * n, list(growth) or [0.0] * n
+        views = [self.schedule.global_views(step) for step in range(start, stop)]
+        flat = [(i, v) for i, step_views in enumerate(views) for rank_views in step_views for v in rank_views]
+        cams = [self.camera(v) for _, v in flat]
+        mask = blocks_in_views(table.lo, table.hi, torch.cat([c[0] for c in cams]), torch.cat([c[1] for c in cams]),
+                               torch.tensor([c[2] for c in cams]), torch.tensor([c[3] for c in cams]),
+                               table.max_scale, torch.tensor([motion[i] for i, _ in flat]),
+                               torch.tensor([growth[i] for i, _ in flat]), near=NEAR_PLANE)
+        mask &= (table.count > 0)[None, :]
+        hits = torch.nonzero(mask)
+        per_view = torch.bincount(hits[:, 0], minlength=len(flat)).tolist()
+        ids = hits[:, 1].tolist()
+        reads, k, at = [], 0, 0
+        for _ in range(n):
+            per_step = []
+            for _ in range(R):
+                per_rank = []
+                for _ in range(mb):
+                    per_rank.append(ids[at:at + per_view[k]])
+                    at += per_view[k]
+                    k += 1
+                per_step.append(per_rank)
+            reads.append(per_step)
+        plan = PhasePlan(start=start, stop=stop, num_ranks=R, owner=table.owner.tolist(), views=views, reads=reads,
+                         policy_name=self.policy_name, motion=motion, growth=growth, staleness=self.staleness,
+                         admit_overlap=self.admit_overlap, counts=table.count.tolist())
+        plan.read_mask = mask.view(n, R, mb, -1)
+        return plan
