@@ -42,7 +42,9 @@ def test_evidence_counts_every_parameter_and_only_live_parameters_change():
         contributions = [_contribution(g, [1, 4, 7, 9], width, rest_zero),
                          _contribution(g, [4, 5, 9, 20], width, rest_zero)]
         before = pack_params(model.gauss_params).clone()
-        result = update.run(contributions, optimizers, track=True, evidence=True)
+        # the touched rows found from the views' visibility (step 0), or given as the splat path gives them
+        given = None if step == 0 else torch.tensor([1, 4, 5, 7, 9, 20])
+        result = update.run(contributions, given, optimizers, track=True, evidence=True)
         after = pack_params(model.gauss_params)
         touched = [1, 4, 5, 7, 9, 20]
         assert result.rows.tolist() == touched

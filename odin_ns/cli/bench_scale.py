@@ -5,14 +5,16 @@
 
 For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
 densification off, so the count stays) under each policy, one after the other in this invocation. From each run's
-odin_stats.json, per step and rank (mean over the timed steps, the first phase's start excluded): render, update,
-bookkeeping, loop and wait in ms; the tensor operations the runtime's side of a step (validate and publish: all but
+odin_stats.json, per step and rank: render, update, bookkeeping, loop, planning and wait in ms (mean over the
+steps before the counted ones but the run's first: phase starts included); the tensor operations the runtime's side of a step (validate and publish: all but
 the render) dispatches and the host syncs among them, counted on the last `--count-steps` steps
 (`runtime.op_count`: what a GPU pays per kernel launch and per stall, machine-independent); peak resident Gaussians
-per rank (its owned rows) as a share of the model. The floor: a plain `torch.optim.Adam` step over a rank's owned
-rows (59 columns, one thread, as each of 2 ranks on 2 cores gets), timed in this same invocation. The targets of
-the runtime at scale (update + bookkeeping + loop <= 2.5x the floor; operations and syncs flat in the block count)
-are printed beside the figures.
+per rank (its owned rows) as a share of the model. The floor: an Adam step over a rank's owned rows written as
+three in-place operations on one packed [rows, 59] tensor (the moments' two, the parameters' one), on one thread
+(as each of 2 ranks on 2 cores gets), timed in this same invocation; `torch.optim.Adam` over the six parameters is
+timed beside it. The targets of the runtime at scale (its own work: update + bookkeeping + loop + planning, every
+step, at most 3x the floor; operations and syncs flat in the block count, syncs at most 2) are printed beside the
+figures. An owner's projections for its readers and their backward count as render.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 COLUMNS = 59  # packed parameter columns at SH degree 3 (3 + 3 + 4 + 3 + 45 + 1)
-TARGET_FLOOR_RATIO = 2.5
+TARGET_FLOOR_RATIO = 3.0
 
 
 def city_args(size: int, block_size: int) -> List[str]:
@@ -61,17 +63,41 @@ def adam_floor_ms(rows: int, repeats: int = 15) -> float:
         torch.set_num_threads(threads)
 
 
+def inplace_adam_floor_ms(rows: int, repeats: int = 15) -> float:
+    """Median ms of an Adam step over `rows` packed Gaussians (59 columns) written as three in-place operations,
+    one thread: what an update of a rank's owned rows cannot go below."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        param, grad = torch.randn(rows, COLUMNS), torch.randn(rows, COLUMNS)
+        m, v = torch.zeros_like(param), torch.ones_like(param)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            m.lerp_(grad, 0.1)
+            v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+            param.addcdiv_(m, v.sqrt().add_(1e-15), value=-1e-3)
+            times.append(time.perf_counter() - started)
+        return 1000 * statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def per_step(stats: Dict, count_from: int) -> Dict:
-    """Means per step and rank over the timed steps (not a phase start, not a counted step), and the counts."""
+    """Means per step and rank over every step before the counted ones but the run's first (its start-up), phase
+    starts included, and the counts."""
     records = stats["steps"]
-    timed = [r for r in records if not r["phase_start"] and r["step"] < count_from]
+    first = min(r["step"] for r in records)
+    timed = [r for r in records if first < r["step"] < count_from]
     counted = [r for r in records if r.get("runtime_ops") is not None]
 
     def ms(key):
         return 1000 * statistics.mean(r[key] for r in timed) if timed else float("nan")
 
     out = {k: ms(f) for k, f in (("render", "compute_s"), ("update", "update_s"), ("bookkeeping", "bookkeeping_s"),
-                                 ("loop", "loop_s"), ("wall", "wall_s"))}
+                                 ("loop", "loop_s"), ("plan", "plan_s"), ("wall", "wall_s"))}
     out["wait"] = 1000 * statistics.mean(sum(r["wait_s"].values()) for r in timed) if timed else float("nan")
     out["ops"] = statistics.mean(r["runtime_ops"] for r in counted) if counted else None
     out["syncs"] = statistics.mean(r["runtime_syncs"] for r in counted) if counted else None
@@ -123,11 +149,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     stats = {"summary": run["summary"], "steps": run["records"]}
                     rows.append({"method": method, "size": size, "block_size": block_size,
                                  **per_step(stats, count_from)})
-    floors = {size: adam_floor_ms(int(statistics.mean(r["owned_mean"] for r in rows if r["size"] == size)))
-              for size in sizes}
+    owned = {size: int(statistics.mean(r["owned_mean"] for r in rows if r["size"] == size)) for size in sizes}
+    floors = {size: inplace_adam_floor_ms(n) for size, n in owned.items()}
+    optim = {size: adam_floor_ms(n) for size, n in owned.items()}
     for r in rows:
         r["adam_floor_ms"] = floors[r["size"]]
-        r["runtime_ms"] = r["update"] + r["bookkeeping"] + r["loop"]
+        r["torch_adam_ms"] = optim[r["size"]]
+        r["runtime_ms"] = r["update"] + r["bookkeeping"] + r["loop"] + r["plan"]
         r["floor_ratio"] = r["runtime_ms"] / r["adam_floor_ms"] if r["adam_floor_ms"] else float("nan")
         r["non_render_share"] = (r["wall"] - r["render"]) / r["wall"] if r["wall"] else float("nan")
     print_table(rows)
@@ -138,23 +166,26 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def print_table(rows: List[Dict]) -> None:
-    table = Table(title="the runtime at scale: 2 ranks, ms per step and rank (mean of the timed steps)")
-    for col in ("method", "Gaussians", "blocks", "render", "update", "bookkeeping", "loop", "wait",
-                "update+bk+loop / Adam floor", "ops/step", "syncs/step", "resident per rank", "wall - render"):
+    table = Table(title="the runtime at scale: 2 ranks, ms per step and rank (mean of every step but the first)")
+    for col in ("method", "Gaussians", "blocks", "render", "update", "bookkeeping", "loop", "plan", "wait",
+                "own work / Adam floor (torch.optim.Adam)", "ops/step", "syncs/step", "resident per rank",
+                "wall - render"):
         table.add_column(col, justify="right")
     for r in rows:
         resident = ", ".join(f"{s:.0%}" for s in r["resident_share"])
         table.add_row(r["method"], f"{r['gaussians']}", f"{r['blocks']} ({r['block_size']})",
-                      *(f"{r[k]:.1f}" for k in ("render", "update", "bookkeeping", "loop", "wait")),
-                      f"{r['runtime_ms']:.1f} / {r['adam_floor_ms']:.2f} = {r['floor_ratio']:.1f}x",
+                      *(f"{r[k]:.1f}" for k in ("render", "update", "bookkeeping", "loop", "plan", "wait")),
+                      f"{r['runtime_ms']:.1f} / {r['adam_floor_ms']:.2f} = {r['floor_ratio']:.1f}x "
+                      f"({r['torch_adam_ms']:.2f})",
                       "-" if r["ops"] is None else f"{r['ops']:.0f}",
                       "-" if r["syncs"] is None else f"{r['syncs']:.0f}", resident,
                       f"{r['non_render_share']:.0%}")
     Console(width=220).print(table)
-    print(f"Targets: update + bookkeeping + loop <= {TARGET_FLOOR_RATIO}x the Adam floor (a plain Adam step over a "
-          "rank's owned rows, one thread, timed in this invocation); operations and syncs per step flat in the "
-          "block count (aim: under 200 and under 5); wall - render <= 25% at 200k Gaussians; resident per rank: "
-          "its owned rows, as a share of the model.")
+    print(f"Targets: the runtime's own work (update + bookkeeping + loop + planning, every step) <= "
+          f"{TARGET_FLOOR_RATIO}x the Adam floor (an Adam step over a rank's owned rows as three in-place "
+          "operations, one thread, timed in this invocation; torch.optim.Adam in brackets); operations per step flat "
+          "in the block count, host syncs at most 2; wall - render <= 25% at 200k Gaussians; resident per rank: its "
+          "owned rows, as a share of the model.")
 
 
 if __name__ == "__main__":

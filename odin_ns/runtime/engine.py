@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import os
+import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -234,7 +235,9 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         if self.plan is None or not self.plan.contains(step):
             record.phase_start = True
             with self.log.waiting("phase"), self.ops.paused():  # a phase's planning is not a step's work
+                started = time.perf_counter()
                 self._begin_phase(step, optimizers)
+                record.plan_s = time.perf_counter() - started
         self.optimizers = optimizers
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
@@ -308,7 +311,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         readers = plan.readers(step, self.env.rank)
         if plan.staleness and runtime.channels is not None:
             runtime.drain(step, readers)  # publications ahead of the gradients on a pair
-        runtime.apply(step, self.splats.contributions(step, readers), optimizers, track)
+        runtime.apply(step, *self.splats.contributions(step, readers), optimizers, track)
         optimizers.scheduler_step_all(step)
         if plan.contains(step + 1):
             params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}

@@ -52,16 +52,19 @@ class OwnerUpdate:
         self._mark = torch.zeros(0, dtype=torch.int32, device=device)
         self._acc: Optional[torch.Tensor] = None  # the sum's buffer (odin_ns.buffers)
 
-    def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], optimizers, track: bool,
-            evidence: bool) -> UpdateResult:
+    def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: Optional[torch.Tensor],
+            optimizers, track: bool, evidence: bool) -> UpdateResult:
+        """`rows`: the owned rows some contribution's view saw (statistics' visible > 0), ascending, where the
+        caller knows them (the splat path does, from its projections); None: found here (a host read)."""
         model, width = self.model, self.width
         n_owned = model.gauss_params["means"].shape[0]
-        if self._mark.shape[0] != n_owned:
-            self._mark = torch.zeros(n_owned, dtype=torch.int32, device=self.device)
-        for idx, piece in contributions:
-            self._mark.index_add_(0, idx, (piece[:, width + 1] > 0).to(torch.int32))
-        rows = torch.nonzero(self._mark).flatten()
-        self._mark[rows] = 0
+        if rows is None:
+            if self._mark.shape[0] != n_owned:
+                self._mark = torch.zeros(n_owned, dtype=torch.int32, device=self.device)
+            for idx, piece in contributions:
+                self._mark.index_add_(0, idx, (piece[:, width + 1] > 0).to(torch.int32))
+            rows = torch.nonzero(self._mark).flatten()
+            self._mark[rows] = 0
         T = rows.shape[0]
         self._acc = kept_rows(self._acc, T + 1, (width + 4,), torch.float32, self.device)  # sum, largest radius
         acc = self._acc[:T + 1, :width + 3].zero_()

@@ -153,11 +153,13 @@ class RankRuntime(ReadAdmission):
 
     # ---- U: the owners' update -----------------------------------------------------------------------------
 
-    def apply(self, step: int, contributions: List[Tuple[torch.Tensor, torch.Tensor]], optimizers, track: bool
-              ) -> UpdateResult:
-        """Selective Adam on the rows `contributions` (in the reference order) touch; the evidence of the update."""
+    def apply(self, step: int, contributions: List[Tuple[torch.Tensor, torch.Tensor]], touched: torch.Tensor,
+              optimizers, track: bool) -> UpdateResult:
+        """Selective Adam on the rows some view saw (`touched`, ascending), from `contributions` in the reference
+        order; the evidence of the update."""
         with self.log.updating():
-            result = self.owner_update.run(contributions, optimizers, track, evidence=bool(self.plan.staleness))
+            result = self.owner_update.run(contributions, touched, optimizers, track,
+                                           evidence=bool(self.plan.staleness))
         self.last = result
         self.record_evidence(step, result.delta_sq, result.rows)
         return result

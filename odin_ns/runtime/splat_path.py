@@ -71,6 +71,10 @@ class SplatPath:
         keep = [c for c in range(SPLAT_WIDTH) if c != DEPTH or model.training_render_mode() != "RGB"]
         self.grad_columns = torch.tensor(keep, dtype=torch.int64, device=self.device)
         self.steps: Dict[int, List[StepProjection]] = {}  # step -> the owner's projections read at it
+        # step -> the owned rows some view of the step sees (a mark per row while the step's projections are made,
+        # then the rows, ascending: what its update touches, known without a host read of its own)
+        self.marks: Dict[int, torch.Tensor] = {}
+        self.touched: Dict[int, torch.Tensor] = {}
         self.received: Dict[int, Dict[int, Tuple[int, List[int], torch.Tensor]]] = {}  # step -> owner -> (version,
         # per view splat count, splats)
         self.grads_out: Dict[int, Dict[int, List[torch.Tensor]]] = {}  # step -> owner -> per view [n, G]
@@ -107,10 +111,24 @@ class SplatPath:
             for step in range(max(update + 1, plan.start), last + 1):
                 pairs = [(q, j) for q in range(plan.num_ranks) if rt.read_version.get((step, q)) == update
                          for j in range(len(plan.rank_views(step, q)))]
+                # every read of step update+1 takes this version or an earlier one: its touched rows are known
+                final = step == update + 1
                 if pairs:
-                    self.steps.setdefault(step, []).append(self._project(step, update, pairs))
+                    self.steps.setdefault(step, []).append(self._project(step, update, pairs, final))
+                elif final:
+                    self._touched(step, int(self._mark(step).sum()))  # no projection to read it with (rare)
 
-    def _project(self, step: int, update: int, pairs: List[Tuple[int, int]]) -> StepProjection:
+    def _mark(self, step: int) -> torch.Tensor:
+        if step not in self.marks:
+            self.marks[step] = torch.zeros(int(self.count[self.mine].sum()), dtype=torch.int32, device=self.device)
+        return self.marks[step]
+
+    def _touched(self, step: int, total: int) -> None:
+        self.touched[step] = torch.nonzero_static(self.marks.pop(step), size=total).flatten()
+
+    def _project(self, step: int, update: int, pairs: List[Tuple[int, int]], final: bool) -> StepProjection:
+        """Project `pairs` of `step` from the current parameters (version `update`); `final`: the step's last
+        projection (its touched rows are read with its splat counts)."""
         plan = self.plan
         blocks = [self.own_blocks(step, q, j) for q, j in pairs]
         block_ids = torch.cat(blocks)
@@ -132,7 +150,13 @@ class SplatPath:
         else:  # gsplat's kernels take one camera for all rows: one call per view
             proj = self._project_per_view(step, rows, per_pair, stack)
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
-        seen = torch.bincount(pair_of_row.index_select(0, proj.ids), minlength=len(pairs)).tolist()  # host read
+        mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
+        seen = torch.bincount(pair_of_row.index_select(0, proj.ids), minlength=len(pairs))
+        if final:
+            seen = torch.cat([seen, mark.sum().view(1)])
+        seen = seen.tolist()  # the one host read
+        if final:
+            self._touched(step, seen.pop())
         splat_starts = [sum(seen[:k]) for k in range(len(pairs))]
         return StepProjection(update, proj, pairs, rows, [(a, a + n) for a, n in zip(starts, per_pair)],
                               [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids))
@@ -289,9 +313,10 @@ class SplatPath:
 
     # ---- U: the owner's update -------------------------------------------------------------------------------
 
-    def contributions(self, step: int, readers: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def contributions(self, step: int, readers: Sequence[int]
+                      ) -> Tuple[List[Tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """U's input: every view's contribution to this rank's rows, in the reference order (rank, then view), as
-        (owned row indices, rows)."""
+        (owned row indices, rows); and the owned rows some view saw (ascending)."""
         me, rt = self.env.rank, self.runtime
         projections = self.steps.pop(step, [])
         where = {pair: sp for sp in projections for pair in sp.pairs}
@@ -336,10 +361,12 @@ class SplatPath:
             sp = where[pair]
             a, b = sp.row_spans[sp.pairs.index(pair)]
             result.append((sp.rows[a:b], out[id(sp)][a:b]))
-        return result
+        return result, self.touched.pop(step)
 
     def forget_step(self, step: int) -> None:
         self.received.pop(step, None)
         self.grads_out.pop(step, None)
         self.own_grads.pop(step, None)
         self.steps.pop(step, None)
+        self.marks.pop(step, None)
+        self.touched.pop(step, None)

@@ -31,6 +31,7 @@ class StepRecord:
     update_s: float = 0.0
     bookkeeping_s: float = 0.0
     loop_s: float = 0.0
+    plan_s: float = 0.0  # of the phase wait: this rank's planning of a phase that starts at the step (its own work)
     wall_s: float = 0.0
     started: float = 0.0  # time.perf_counter() (CLOCK_MONOTONIC: comparable across the ranks of one machine)
     # processor time of the rank's process over the step (every thread: the renders, a lane on a thread, the
@@ -71,6 +72,7 @@ class StepRecord:
         return {
             "step": self.step, "rank": self.rank, "views": self.views, "compute_s": self.compute_s,
             "update_s": self.update_s, "bookkeeping_s": self.bookkeeping_s, "loop_s": self.loop_s,
+            "plan_s": self.plan_s,
             "wall_s": self.wall_s, "started": self.started, "cpu_s": self.cpu_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
