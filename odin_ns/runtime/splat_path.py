@@ -70,6 +70,7 @@ class SplatPath:
         # the splat columns whose gradient travels back: the depth's only when the render uses it (expected depth)
         keep = [c for c in range(SPLAT_WIDTH) if c != DEPTH or model.training_render_mode() != "RGB"]
         self.grad_columns = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        self.grad_width = len(keep) + (2 if self.absgrad else 0)  # a splat's gradient on the wire
         self.steps: Dict[int, List[StepProjection]] = {}  # step -> the owner's projections read at it
         # step -> the owned rows some view of the step sees (a mark per row while the step's projections are made,
         # then the rows, ascending: what its update touches, known without a host read of its own)
@@ -78,6 +79,9 @@ class SplatPath:
         self.received: Dict[int, Dict[int, Tuple[int, List[int], torch.Tensor]]] = {}  # step -> owner -> (version,
         # per view splat count, splats)
         self.grads_out: Dict[int, Dict[int, List[torch.Tensor]]] = {}  # step -> owner -> per view [n, G]
+        # receives posted before they are needed (exact policies): ("P", update, owner) -> a publication's header,
+        # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
+        self.early: Dict[Tuple[str, int, int], Tuple[torch.Tensor, object]] = {}
         self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, absgrad)
 
     def begin(self, plan, table, home_start: torch.Tensor) -> None:
@@ -214,8 +218,11 @@ class SplatPath:
         me, plan, rt = self.env.rank, self.plan, self.runtime
         shapes = [[len(plan.rank_views(t, me)) for t in self.window(u)] for _, u in pubs]
         n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
-        headers = [torch.empty(sum(s) + e, dtype=torch.int64, device=self.device) for s, e in zip(shapes, n_ev)]
-        rt.channels.batch([], [(o, h) for (o, _), h in zip(pubs, headers)], "validate")
+        early = [self.early.pop(("P", u, o), None) for o, u in pubs]
+        headers = [e[0] if e is not None else torch.empty(sum(s) + n, dtype=torch.int64, device=self.device)
+                   for e, s, n in zip(early, shapes, n_ev)]
+        rt.channels.batch([], [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None], "validate")
+        rt.channels.wait_for([e[1] for e in early if e is not None and e[1] is not None], "validate")
         for o, u in pubs:
             rt.channels.note("P", u, o, "recv")
         values = (torch.cat(headers) if len(headers) > 1 else headers[0]).tolist()  # the one host read
@@ -229,8 +236,30 @@ class SplatPath:
             at += e
             n = sum(c for per_step in counts for c in per_step if c > 0)
             out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device)))
-        rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate")
+        posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
+        if not plan.staleness:  # on every pair, the next messages' receives go after these, before they are needed
+            self._post_ahead(pubs[0][1] + 1)
+        rt.channels.wait_for(posted, "validate")
         return out
+
+    def _post_ahead(self, step: int) -> None:
+        """Exact policies, after posting the receives of step `step`'s publications: post the receives of the
+        next messages every pair brings this rank, in the order the lists send them: the readers' splat gradients
+        of `step` (U waits for them; their sizes are the splats this rank projected for them) and the headers of
+        the owners' publications for step+1 (W of step+1). A sender's send then completes when it is posted."""
+        me, plan, rt = self.env.rank, self.plan, self.runtime
+        recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
+        where = {pair: sp for sp in self.steps.get(step, []) for pair in sp.pairs}
+        for q in plan.readers(step, me):
+            n = sum(e - s for pair in sorted(where) if pair[0] == q for s, e in [where[pair].span(pair)])
+            recvs.append((("G", step, q), q, torch.empty((n, self.grad_width), device=self.device)))
+        if plan.contains(step + 1):
+            mb = len(plan.rank_views(step + 1, me))
+            recvs += [(("P", step, o), o, torch.empty(mb, dtype=torch.int64, device=self.device))
+                      for o in plan.deps(step + 1, me)]
+        works = iter(rt.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
+        for key, _, t in recvs:  # a receive of nothing is not posted
+            self.early[key] = (t, next(works) if t.numel() else None)
 
     def accept(self, owner: int, update: int, raw: tuple) -> None:
         """Keep a publication's splats for the steps whose read takes its version."""
@@ -322,13 +351,19 @@ class SplatPath:
         where = {pair: sp for sp in projections for pair in sp.pairs}
         order = sorted(where)  # the reference order: rank, then view
         cols = self.grad_columns.shape[0]
-        width = cols + (2 if self.absgrad else 0)
-        payloads = {}
+        payloads, fresh, posted = {}, [], []
         for q in readers:
+            early = self.early.pop(("G", step, q), None)  # posted before the render (`_post_ahead`)
+            if early is not None:
+                payloads[q] = early[0]
+                posted += [early[1]] if early[1] is not None else []
+                continue
             n = sum(e - s for pair in order if pair[0] == q for s, e in [where[pair].span(pair)])
-            payloads[q] = torch.empty((n, width), dtype=torch.float32, device=self.device)
+            payloads[q] = torch.empty((n, self.grad_width), dtype=torch.float32, device=self.device)
+            fresh.append((q, payloads[q]))
         if payloads and rt.channels is not None:
-            rt.channels.batch([], list(payloads.items()), "transfer")
+            posted += rt.channels.batch([], fresh, "transfer", wait=False)
+            rt.channels.wait_for(posted, "transfer")
             for q in readers:
                 rt.channels.note("G", step, q, "recv")
         grads = {id(sp): torch.zeros((sp.proj.splats.shape[0], SPLAT_WIDTH), device=self.device)

@@ -91,9 +91,10 @@ class Channels:
             self.record.append([kind, int(step), int(peer), direction])
 
     def batch(self, sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-              cause: str, kind: str | None = None) -> None:
+              cause: str, kind: str | None = None, wait: bool = True) -> List[dist.Work]:
         """Post the sends and receives together and wait for the receives (`cause`); `kind` names what the sends
-        carry in the traffic accounts (P or G)."""
+        carry in the traffic accounts (P or G). With `wait` False the receives are only posted (before they are
+        needed, so that their senders' sends complete at once): `wait_for` the returned works later."""
         ops: List[dist.P2POp] = []
         sent = received = 0
         for peer, tensor in sends:
@@ -110,17 +111,24 @@ class Channels:
             recv_ops.append(len(ops) - 1)
             received += tensor.numel() * tensor.element_size()
         if not ops:
-            return
+            return []
         works = dist.batch_isend_irecv(ops)
         self.log.add_traffic(sent, received, kind)
         for i, (op, work) in enumerate(zip(ops, works)):
             if op.op is dist.isend:
                 self._pending.append((work, op.tensor))
-        if recv_ops:
-            with self.log.waiting(cause):
-                for i in recv_ops:
-                    works[i].wait()
+        posted = [works[i] for i in recv_ops]
+        if wait:
+            self.wait_for(posted, cause)
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        return posted
+
+    def wait_for(self, works: Sequence[dist.Work], cause: str) -> None:
+        """Until receives posted earlier have arrived."""
+        if works:
+            with self.log.waiting(cause):
+                for work in works:
+                    work.wait()
 
     def flush(self, cause: str = "phase") -> None:
         """Wait until every send has been taken (at a phase boundary, where every receive has been posted)."""
