@@ -22,7 +22,7 @@ from collections import defaultdict
 import pytest
 
 from conftest import TINY_CITY, run_dir
-from odin_ns.runtime.interpreter import ActionError, Program
+from odin_ns.runtime.interpreter import ActionError, Program, StepContext
 from odin_ns.schedule.actions import Action, parse_action
 from test_distributed_equivalence import CITY, KEEP, city
 
@@ -115,8 +115,8 @@ def test_a_failing_handler_names_the_rank_the_phase_and_the_action():
                       start=3, stop=6)
     assert [a.kind for a in program.renders[4]] == ["R"] and [a.kind for a in program.post[4]] == ["G", "U"]
 
-    def broken(group):
-        raise ValueError("no such block")
+    def broken(group, ctx):
+        raise ValueError(f"no such block at step {ctx.step}")
 
-    with pytest.raises(ActionError, match=r"rank 1, phase 3-5, step 4: G b3->r1: ValueError: no such block"):
-        program.run(program.post[4], defaultdict(lambda: lambda group: None, G=broken))
+    with pytest.raises(ActionError, match=r"rank 1, phase 3-5, step 4: G b3->r1: ValueError: no such block at step 4"):
+        program.run(program.post[4], defaultdict(lambda: lambda group, ctx: None, G=broken), StepContext(4, None))

@@ -32,7 +32,7 @@ from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.runtime.boundary import PhaseBoundary
 from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.fault_injection import FaultInjection
-from odin_ns.runtime.interpreter import Program
+from odin_ns.runtime.interpreter import Program, StepContext
 from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.rank_runtime import RankRuntime
@@ -170,8 +170,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         if self.staleness and self.env.distributed:
             self.own_version = {}
             self.own_pos = step - 1
-            self.lane = Lane(self.program, {"W": self._lane_wait, "G": self._lane_gradients, "U": self._lane_update,
-                                            "P": self._lane_publish, "probe": self._lane_probe},
+            self.lane = Lane(self.program, dict(self.handlers, decide=self._decide_read, probe=self._lane_probe),
                              name=f"odin-lane-r{me}", mode=self.lane_mode)
 
     def _end_phase(self, step: int, optimizers) -> None:
@@ -219,13 +218,6 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * self.schedule.global_batch + slot)
         return torch.rand(3, generator=g).to(self.device)
 
-    def _handlers(self, step: int, optimizers) -> Dict:
-        splats = self.splats
-        return {"P": lambda group: splats.publish(group[0].step, [a.peer for a in group]),
-                "W": lambda group: self.runtime.take_current(step, [a.peer for a in group]),
-                "G": lambda group: splats.send_gradients(step, [a.peer for a in group]),
-                "U": lambda group: self._apply_update(step, optimizers),
-                "B": lambda group: self.runtime.barrier()}
 
     def validate(self, step: int, optimizers) -> List[int]:
         """Before the step: plan the phase if one starts here, then the program's actions before the renders:
@@ -238,15 +230,14 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
                 started = time.perf_counter()
                 self._begin_phase(step, optimizers)
                 record.plan_s = time.perf_counter() - started
-        self.optimizers = optimizers
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
-        self._step_views = None
+        self._ctx = StepContext(step, optimizers)
         if self.lane is not None:
             with self._lane_waiting("validate"):
                 self.lane.ready(step)
         else:
-            self.program.run(self.program.pre[step], self._handlers(step, optimizers))
+            self.program.run(self.program.pre[step], self.handlers, self._ctx)
         self.runtime.attach_notes(step, record)
         return views
 
@@ -279,15 +270,13 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         the owners' update in reference order, the next reads' splats to the ranks that render them, the barrier
         (odin-barrier); throughput-first hands the step to its lane. Then a phase's end."""
         plan, runtime, record = self.plan, self.runtime, self.log.current
-        self._step_views = list(view_ids)
+        self._ctx.view_ids = list(view_ids)
         if self.check_read_sets:
             record.read_set_misses = self._count_misses(step)
         if self.lane is not None:
-            self.lane.put(step, [], self._step_views)
+            self.lane.put(self._ctx)
         else:
-            self.program.run(self.program.post[step], self._handlers(step, optimizers))
-            runtime.forget_step(step)
-            self.splats.forget_step(step)
+            self.program.run(self.program.post[step], self.handlers, self._ctx)
         if step + 1 == plan.stop:
             with self.ops.paused():  # a phase boundary is not a step's work
                 self._end_phase(step, optimizers)
@@ -300,7 +289,28 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         record.plan_violations, runtime.plan_violations = runtime.plan_violations, 0
         self.log.end_inside()
 
-    # ---- the handlers' work ---------------------------------------------------------------------------------
+    # ---- the handlers of the action kinds: (group, the step's context), inline or on the lane --------------------
+
+    @property
+    def handlers(self) -> Dict:
+        return {"W": self._take, "G": self._send_gradients, "U": self._update, "P": self._publish,
+                "B": lambda group, ctx: self.runtime.barrier()}
+
+    def _take(self, group, ctx: StepContext) -> None:
+        self.runtime.take_current(ctx.step, [a.peer for a in group])
+
+    def _send_gradients(self, group, ctx: StepContext) -> None:
+        self.splats.send_gradients(ctx.step, [a.peer for a in group])
+        if self.lane is not None and self.lane_mode == "inline":  # the owners' probe: this rank's are out
+            self._store.set(f"{SENT_KEY}{self.env.rank}", str(ctx.step))
+
+    def _update(self, group, ctx: StepContext) -> None:
+        self._apply_update(ctx.step, ctx.optimizers)
+        self.runtime.forget_step(ctx.step)
+        self.splats.forget_step(ctx.step)
+
+    def _publish(self, group, ctx) -> None:
+        self.splats.publish(group[0].step, [a.peer for a in group])
 
     def _apply_update(self, step: int, optimizers) -> None:
         """U: the owners' update of `step` (the views' splat gradients back through the projections, every
@@ -319,9 +329,10 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
             runtime.check_envelope(step + 1, self._visible)
             self.splats.project_update(step)
 
-    # throughput-first: the lane's handlers (the communication thread)
+    # throughput-first: the lane's decisions (the communication lane)
 
-    def _lane_wait(self, action, until: int) -> bool:
+    def _decide_read(self, action, until: int) -> bool:
+        """A W of the lane: whether its read is decided with the publications up to update `until`."""
         step, me = action.step, self.env.rank
         if action.peer != me:
             return self.runtime.take_admitted(step, action.peer, until)
@@ -337,11 +348,6 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         rank's thread and its own waits, update and packing count as what they are."""
         return self.log.waiting(cause) if self.lane_mode == "thread" else contextlib.nullcontext()
 
-    def _lane_gradients(self, group, contributions, view_ids) -> None:
-        self.splats.send_gradients(group[0].step, [a.peer for a in group])
-        if self.lane_mode == "inline":  # the owners' probe: this rank's gradients of the step are out
-            self._store.set(f"{SENT_KEY}{self.env.rank}", str(group[0].step))
-
     def _lane_probe(self, action) -> bool:
         """Inline: whether every reader of the rank's blocks at `action.step` has sent its gradients of that step
         (each rank notes, in the job's key-value store, the last step whose gradients it sent; the gradients are
@@ -350,11 +356,4 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         keys = [f"{SENT_KEY}{q}" for q in self.plan.readers(action.step, self.env.rank)]
         return not keys or all(int(v) >= action.step for v in self._store.multi_get(keys))
 
-    def _lane_update(self, action, given) -> None:
-        self._apply_update(action.step, self.optimizers)
-        self.runtime.forget_step(action.step)
-        self.splats.forget_step(action.step)
-
-    def _lane_publish(self, group) -> None:
-        self.splats.publish(group[0].step, [a.peer for a in group])
 

@@ -5,20 +5,43 @@ A phase's list (`schedule.policies`) is cut once into what each seam of a traini
 - `renders[t]`: the step's R actions (the engine renders those views);
 - `post[t]`: what follows the renders (gradients out, the update, publications, the barrier).
 Throughput-first lists have a second lane (`on_thread` actions): it runs on the rank's communication thread in list
-order, and `lane` holds it. `run` hands each group of consecutive actions of one kind to its handler (a group's
-messages go out in one batch) and names the rank, the phase and the action when a handler fails.
+order, and `lane` holds it (`runtime.lane`). `run` hands each group of consecutive actions of one kind to its
+handler with the step's context (a group's messages go out in one batch); `run_group` is the one place a handler
+runs, here and on the lane, and names the rank, the phase and the action when it fails.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Dict, List, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Sequence
 
 from odin_ns.schedule.actions import Action
 
 
 class ActionError(RuntimeError):
     """A handler failed; the message names the rank, the phase and the action it was running."""
+
+
+@dataclass
+class StepContext:
+    """What the handlers of one step's actions share: the step, the optimizers, its views' block ids (after the
+    renders)."""
+
+    step: int
+    optimizers: Any
+    view_ids: List[List[int]] = field(default_factory=list)
+
+
+def run_group(program: "Program", group: List[Action], handler: Callable, *args) -> Any:
+    """`handler(group, *args)`; a failure names the rank, the phase and the actions."""
+    try:
+        return handler(group, *args)
+    except ActionError:
+        raise
+    except Exception as exc:
+        raise ActionError(f"rank {program.rank}, phase {program.start}-{program.stop - 1}, step {group[0].step}: "
+                          f"{', '.join(map(repr, group))}: {type(exc).__name__}: {exc}") from exc
 
 
 class Program:
@@ -49,19 +72,13 @@ class Program:
         if pending and current is not None:
             self.post[current] += pending
 
-    def run(self, actions: Sequence[Action], handlers: Dict[str, Callable[[List[Action]], None]]) -> None:
-        """Each group of consecutive actions of one kind to `handlers[kind]`, in order."""
+    def run(self, actions: Sequence[Action], handlers: Dict[str, Callable], ctx: StepContext) -> None:
+        """Each group of consecutive actions of one kind to `handlers[kind](group, ctx)`, in order."""
         i = 0
         while i < len(actions):
             j = i + 1
             while j < len(actions) and actions[j].kind == actions[i].kind and actions[j].step == actions[i].step:
                 j += 1
             group = list(actions[i:j])
-            try:
-                handlers[group[0].kind](group)
-            except ActionError:
-                raise
-            except Exception as exc:
-                raise ActionError(f"rank {self.rank}, phase {self.start}-{self.stop - 1}, step {group[0].step}: "
-                                  f"{', '.join(map(repr, group))}: {type(exc).__name__}: {exc}") from exc
+            run_group(self, group, handlers[group[0].kind], ctx)
             i = j

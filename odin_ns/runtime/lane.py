@@ -30,7 +30,7 @@ import threading
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional
 
-from odin_ns.runtime.interpreter import ActionError, Program
+from odin_ns.runtime.interpreter import ActionError, Program, StepContext, run_group
 from odin_ns.schedule.actions import Action
 
 
@@ -49,9 +49,9 @@ def resolve_lane(lane: str, device_type: str) -> str:
 class Lane:
     """Runs `program.lane` with `handlers`, inline or on a thread (see the module docstring).
 
-    handlers: "W" (action, until) -> decided?; "G" (actions, contributions, view ids); "U" (action, the step's
-    (contributions, view ids) when no G of the step took them, else None); "P" (actions); inline, "probe" (a U
-    action) -> whether every contribution it takes has been sent (it would not wait)."""
+    handlers: the rank's handlers of G, U and P, (actions, the step's context), as the interpreter runs them;
+    "decide" (a W action, until) -> whether its read is decided; inline, "probe" (a U action) -> whether every
+    gradient it takes has been sent (it would not wait)."""
 
     def __init__(self, program: Program, handlers: Dict[str, Callable], name: str = "odin-lane",
                  mode: str = "thread"):
@@ -61,7 +61,7 @@ class Lane:
         self.handlers = handlers
         self._cond = threading.Condition()
         self._ready = set()
-        self._given: Dict[int, tuple] = {}
+        self._given: Dict[int, StepContext] = {}
         self.error: Optional[BaseException] = None
         self.done = False
         self._waits_left: Dict[int, int] = defaultdict(int)
@@ -69,7 +69,6 @@ class Lane:
             if a.kind == "W":
                 self._waits_left[a.step] += 1
         self._deferred: Dict[int, List[Action]] = defaultdict(list)
-        self._sent = set()  # steps whose contributions a G group took
         for step in range(program.start, program.stop):
             if not self._waits_left[step]:
                 self._ready.add(step)
@@ -98,9 +97,10 @@ class Lane:
                 self._cond.wait(timeout=1.0)
         self._raise()
 
-    def put(self, step: int, contributions, view_ids) -> None:
+    def put(self, ctx: StepContext) -> None:
+        """The step's renders are done (its splats' gradients wait for G)."""
         with self._cond:
-            self._given[step] = (contributions, view_ids)
+            self._given[ctx.step] = ctx
             self._cond.notify_all()
         self._raise()
 
@@ -137,14 +137,14 @@ class Lane:
 
     # ---- the lane --------------------------------------------------------------------------------------------
 
-    def _contributions(self, step: int):
+    def _context(self, step: int, last: bool) -> StepContext:
+        """The step's context once its renders are done (`last`: the lane's last use of it)."""
         if self._thread is None and step not in self._given:
-            raise ActionError(f"rank {self.program.rank}: the lane needs step {step}'s contributions before its "
-                              f"renders gave them")
+            raise ActionError(f"rank {self.program.rank}: the lane needs step {step}'s renders before they ran")
         with self._cond:
             while step not in self._given:
                 self._cond.wait(timeout=1.0)
-            return self._given.pop(step)
+            return self._given.pop(step) if last else self._given[step]
 
     def _decided(self, step: int, count: int = 1) -> None:
         with self._cond:
@@ -181,38 +181,29 @@ class Lane:
 
     def _run_group(self, group: List[Action], later: List[Action]) -> None:
         kind, step = group[0].kind, group[0].step
-        try:
-            if kind == "W":
-                # early: before the update of step-1, on publications already sent
-                early = any(a.kind == "U" and a.step == step - 1 for a in later)
-                for a in group:
-                    if self.handlers["W"](a, step - 2 if early else step - 1):
-                        self._decided(step)
-                    else:
-                        with self._cond:
-                            self._deferred[step].append(a)
-                            self._waits_left[step] -= 1
-            elif kind == "G":
-                contributions, view_ids = self._contributions(step)
-                self._sent.add(step)
-                self.handlers["G"](group, contributions, view_ids)
-            elif kind == "U":
-                self.handlers["U"](group[0], None if step in self._sent else self._contributions(step))
-                self._sent.discard(step)
-            elif kind == "P":
-                self.handlers["P"](group)
-            else:
-                raise ValueError(f"{group[0]!r} cannot run on the communication lane")
-        except ActionError:
-            raise
-        except Exception as exc:
-            raise ActionError(f"rank {self.program.rank}, phase {self.program.start}-{self.program.stop - 1}, "
-                              f"step {step}: {', '.join(map(repr, group))}: {type(exc).__name__}: {exc}") from exc
+        if kind == "W":
+            # early: before the update of step-1, on publications already sent
+            early = any(a.kind == "U" and a.step == step - 1 for a in later)
+            decided = run_group(self.program, group, lambda g: [self.handlers["decide"](a, step - 2 if early
+                                                                                         else step - 1) for a in g])
+            for a, done in zip(group, decided):
+                if done:
+                    self._decided(step)
+                else:
+                    with self._cond:
+                        self._deferred[step].append(a)
+                        self._waits_left[step] -= 1
+        elif kind in ("G", "U"):  # after the step's renders; U is the lane's last use of the step's context
+            run_group(self.program, group, self.handlers[kind], self._context(step, last=kind == "U"))
+        elif kind == "P":
+            run_group(self.program, group, self.handlers["P"], None)
+        else:
+            raise ActionError(f"{group[0]!r} cannot run on the communication lane")
         # after the update of `step` and its publications: the next step's refused reads, now current
         if kind in ("U", "P") and not (later and later[0].kind == "P" and later[0].step == step):
             deferred = self._deferred.pop(step + 1, [])
             for a in deferred:
-                if not self.handlers["W"](a, step):
+                if not run_group(self.program, [a], lambda g: self.handlers["decide"](g[0], step)):
                     raise ActionError(f"rank {self.program.rank}: {a!r} undecided after the update it reads")
             with self._cond:
                 if self._waits_left[step + 1] <= 0:

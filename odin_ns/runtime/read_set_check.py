@@ -51,7 +51,7 @@ class ReadSetCheck:
             for j, view in enumerate(views):
                 seen = set(self.plan.view_reads(step, q)[j])
                 if q == self.env.rank:
-                    seen |= set(self._step_views[j])
+                    seen |= set(self._ctx.view_ids[j])
                 seen |= {b for jj, b in extras.get(q, []) if jj == j}
                 outside = sorted(set(ranges) - seen)
                 if not outside:
