@@ -18,7 +18,8 @@ The actions keep their meaning and their lists; what travels is splats:
   it (splatfacto's default): 11 numbers, 44 bytes; one payload whose size both sides know, no header;
 - U (owner): one backward of the splat gradients through each projection of the step (one per version read), then
   each view's contribution in the reference order (rank, then view) to the owners' update.
-No rank holds another rank's rows, and no older version of its own: a read behind was projected when its version
+The reader's side (W, R's splats, G) is `runtime.splat_reader`; the projection of a step's views in one call is
+`runtime.view_projection.project_views`. No rank holds another rank's rows, and no older version of its own: a read behind was projected when its version
 was current. Memory is the owned rows with their optimizer state, and the splats and kept projections in flight.
 """
 
@@ -29,13 +30,10 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from odin_ns.render.projection import RowCameras
 from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
 from odin_ns.runtime.block_table import expand_ranges
-from odin_ns.runtime.view_projection import ViewProjection, backprop, project_rows
-
-WIRE = SPLAT_WIDTH + 2  # the splat, its radius, its key
-RADIUS, KEY = SPLAT_WIDTH, SPLAT_WIDTH + 1
+from odin_ns.runtime.splat_reader import WIRE, SplatReader
+from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
 
 class StepProjection(NamedTuple):
@@ -53,7 +51,7 @@ class StepProjection(NamedTuple):
         return self.splat_spans[self.pairs.index(pair)]
 
 
-class SplatPath:
+class SplatPath(SplatReader):
     """The splat messages and projections of one rank (see the module docstring). `camera(step, view)` gives a
     view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `packed_rows(rows)` the owned rows'
     current packed parameters; `runtime` the rank's `RankRuntime` (its plan, channels, evidence and decisions)."""
@@ -142,17 +140,8 @@ class SplatPath:
         rows = expand_ranges(self.home_start[block_ids], counts, total).to(self.device)
         keys = expand_ranges(self.global_start[block_ids], counts, total).to(self.device)
         cams = [self.camera(step, plan.rank_views(step, q)[j]) for q, j in pairs]
-        pair_of_row = torch.repeat_interleave(torch.arange(len(pairs)), torch.tensor(per_pair, dtype=torch.int64),
-                                              output_size=total).to(self.device)
-        stack = (torch.stack([c[0] for c in cams]), torch.stack([c[1] for c in cams]),
-                 torch.tensor([[float(c[2]), float(c[3])] for c in cams], device=self.device))
-        if self.device.type == "cpu" or len(pairs) <= 1:  # one call (one camera per row)
-            row_cams = RowCameras(*(t.index_select(0, pair_of_row) for t in stack)) if len(pairs) > 1 else \
-                RowCameras(*stack)
-            proj = project_rows(self.packed_rows(rows), self.num_rest, row_cams, self.model.sh_degree_at(step),
-                                self.antialiased)
-        else:  # gsplat's kernels take one camera for all rows: one call per view
-            proj = self._project_per_view(step, rows, per_pair, stack)
+        proj, pair_of_row = project_views(self.packed_rows(rows), self.num_rest, cams, per_pair,
+                                          self.model.sh_degree_at(step), self.antialiased)
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
         mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
         seen = torch.bincount(pair_of_row.index_select(0, proj.ids), minlength=len(pairs))
@@ -164,20 +153,6 @@ class SplatPath:
         splat_starts = [sum(seen[:k]) for k in range(len(pairs))]
         return StepProjection(update, proj, pairs, rows, [(a, a + n) for a, n in zip(starts, per_pair)],
                               [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids))
-
-    def _project_per_view(self, step, rows, per_pair, stack) -> ViewProjection:
-        """CUDA: each view's rows in its own call, the results concatenated as one projection."""
-        parts, start = [], 0
-        packed = self.packed_rows(rows)
-        for k, n in enumerate(per_pair):
-            cam = RowCameras(stack[0][k:k + 1], stack[1][k:k + 1], stack[2][k:k + 1])
-            parts.append((start, project_rows(packed[start:start + n], self.num_rest, cam,
-                                              self.model.sh_degree_at(step), self.antialiased)))
-            start += n
-        leaves = {n: torch.cat([p.leaves[n] for _, p in parts]) for n in parts[0][1].leaves}
-        return ViewProjection(leaves, torch.cat([p.ids + a for a, p in parts]), torch.cat([p.radii for _, p in parts]),
-                              torch.cat([p.splats for _, p in parts]), torch.cat([p.sizes.expand(p.ids.shape[0], 2)
-                                                                                 for _, p in parts]))
 
     # ---- P: the splats out -----------------------------------------------------------------------------------
 
@@ -209,136 +184,6 @@ class SplatPath:
             sends += [(q, head.to(self.device)), (q, payload)]
             rt.channels.note("P", update, q, "send")
         rt.channels.batch(sends, [], "transfer", "P")
-
-    # ---- W: the splats in ------------------------------------------------------------------------------------
-
-    def receive(self, pubs: Sequence[Tuple[int, int]]) -> List[tuple]:
-        """Publications (owner, update) off the channels: headers in one batch, one host read, payloads in one
-        batch. Returns (the views' counts per step of the window, evidence, payload) per publication."""
-        me, plan, rt = self.env.rank, self.plan, self.runtime
-        shapes = [[len(plan.rank_views(t, me)) for t in self.window(u)] for _, u in pubs]
-        n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
-        early = [self.early.pop(("P", u, o), None) for o, u in pubs]
-        headers = [e[0] if e is not None else torch.empty(sum(s) + n, dtype=torch.int64, device=self.device)
-                   for e, s, n in zip(early, shapes, n_ev)]
-        rt.channels.batch([], [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None], "validate")
-        rt.channels.wait_for([e[1] for e in early if e is not None and e[1] is not None], "validate")
-        for o, u in pubs:
-            rt.channels.note("P", u, o, "recv")
-        values = (torch.cat(headers) if len(headers) > 1 else headers[0]).tolist()  # the one host read
-        out, at = [], 0
-        for shape, e in zip(shapes, n_ev):
-            counts = []
-            for mb in shape:
-                counts.append(values[at:at + mb])
-                at += mb
-            evidence = torch.tensor(values[at:at + e], dtype=torch.int64).view(torch.float64)
-            at += e
-            n = sum(c for per_step in counts for c in per_step if c > 0)
-            out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device)))
-        posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
-        if not plan.staleness:  # on every pair, the next messages' receives go after these, before they are needed
-            self._post_ahead(pubs[0][1] + 1)
-        rt.channels.wait_for(posted, "validate")
-        return out
-
-    def _post_ahead(self, step: int) -> None:
-        """Exact policies, after posting the receives of step `step`'s publications: post the receives of the
-        next messages every pair brings this rank, in the order the lists send them: the readers' splat gradients
-        of `step` (U waits for them; their sizes are the splats this rank projected for them) and the headers of
-        the owners' publications for step+1 (W of step+1). A sender's send then completes when it is posted."""
-        me, plan, rt = self.env.rank, self.plan, self.runtime
-        recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
-        where = {pair: sp for sp in self.steps.get(step, []) for pair in sp.pairs}
-        for q in plan.readers(step, me):
-            n = sum(e - s for pair in sorted(where) if pair[0] == q for s, e in [where[pair].span(pair)])
-            recvs.append((("G", step, q), q, torch.empty((n, self.grad_width), device=self.device)))
-        if plan.contains(step + 1):
-            mb = len(plan.rank_views(step + 1, me))
-            recvs += [(("P", step, o), o, torch.empty(mb, dtype=torch.int64, device=self.device))
-                      for o in plan.deps(step + 1, me)]
-        works = iter(rt.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
-        for key, _, t in recvs:  # a receive of nothing is not posted
-            self.early[key] = (t, next(works) if t.numel() else None)
-
-    def accept(self, owner: int, update: int, raw: tuple) -> None:
-        """Keep a publication's splats for the steps whose read takes its version."""
-        counts, _, payload = raw
-        start = 0
-        for step, per_view in zip(self.window(update), counts):
-            if per_view and per_view[0] >= 0:
-                n = sum(per_view)
-                self.received.setdefault(step, {})[owner] = (update, per_view, payload[start:start + n])
-                start += n
-
-    def check_read(self, step: int, owner: int, version: int) -> None:
-        """The reader decided that its read of `owner` at `step` takes `version`: the owner's replay agrees."""
-        if owner == self.env.rank:  # its own read: projected after the update it takes
-            got = next(((s.update,) for s in self.steps.get(step, []) if (owner, 0) in s.pairs), None)
-        else:
-            got = self.received.get(step, {}).get(owner)
-        if got is None or got[0] != version:
-            from odin_ns.runtime.rank_runtime import OdinRuntimeError
-
-            raise OdinRuntimeError(f"step {step}: the read of rank {owner}'s blocks takes version {version}, but "
-                                   f"rank {owner} projected it at {None if got is None else got[0]}")
-
-    # ---- R: the reader -----------------------------------------------------------------------------------
-
-    def view_splats(self, step: int, slot: int):
-        """Every splat view `slot` of this rank renders at `step`, in key order: (splats [n, SPLAT_WIDTH] whose
-        gradient the render fills, radii [n], the routing of their gradients: per source (owner or this rank) its
-        leaf, and the sort's order)."""
-        me, parts = self.env.rank, []
-        own = next((s for s in self.steps.get(step, []) if (me, slot) in s.pairs), None)
-        if own is not None:  # none where a throughput-first step reads no block of its own
-            a, b = own.span((me, slot))
-            parts.append((me, own.proj.splats.detach()[a:b].requires_grad_(), own.proj.radii[a:b], own.keys[a:b]))
-        for o, (_, counts, payload) in sorted(self.received.get(step, {}).items()):
-            start = sum(counts[:slot])
-            wire = payload[start:start + counts[slot]]
-            self.log.current.remote_pairs += wire.shape[0]
-            parts.append((o, wire[:, :SPLAT_WIDTH].detach().requires_grad_(),
-                          wire[:, RADIUS].contiguous().view(torch.int32), wire[:, KEY].contiguous().view(torch.int32)))
-        if not parts:
-            empty = torch.zeros((0, SPLAT_WIDTH), device=self.device).requires_grad_()
-            parts.append((me, empty, torch.zeros(0, dtype=torch.int32, device=self.device),
-                          torch.zeros(0, dtype=torch.int32, device=self.device)))
-        keys = torch.cat([p[3].to(torch.int64) for p in parts])
-        order = torch.argsort(keys)
-        splats = torch.cat([p[1] for p in parts]).index_select(0, order)
-        radii = torch.cat([p[2] for p in parts]).index_select(0, order)
-        return splats, radii, (parts, order, own is not None)
-
-    def after_backward(self, step: int, slot: int, routing, means2d) -> None:
-        """After a view's backward: its gradients of this rank's splats kept for U, the other owners' for G."""
-        parts, order, has_own = routing
-        absgrad = None
-        if self.absgrad:
-            absgrad = torch.empty_like(means2d.absgrad)
-            absgrad[order] = means2d.absgrad
-        start = 0
-        for o, leaf, _, _ in parts:
-            n = leaf.shape[0]
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            part_abs = absgrad[start:start + n] if absgrad is not None else None
-            start += n
-            if o == self.env.rank:
-                if has_own:
-                    self.own_grads.setdefault(step, {})[slot] = (grad, part_abs)
-            else:
-                wire = grad.index_select(1, self.grad_columns)
-                wire = torch.cat([wire, part_abs], dim=1) if part_abs is not None else wire
-                self.grads_out.setdefault(step, {}).setdefault(o, []).append(wire)
-
-    def send_gradients(self, step: int, owners: Sequence[int]) -> None:
-        """G: each owner the gradients of its splats of every view of `step` (one payload each)."""
-        sends = []
-        for o in owners:
-            per_view = self.grads_out.get(step, {}).get(o, [])
-            sends.append((o, torch.cat(per_view) if len(per_view) > 1 else per_view[0]))
-            self.runtime.channels.note("G", step, o, "send")
-        self.runtime.channels.batch(sends, [], "transfer", "G")
 
     # ---- U: the owner's update -------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ scaled by half the image size, visible 0/1, the radius over the larger image sid
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,33 @@ def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree:
     ids, radii, splats = project_splats(leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"],
                                         coeffs, cams, sh_degree, antialiased)
     return ViewProjection(leaves, ids, radii, splats, cams.rows(ids).sizes.to(splats.dtype))
+
+
+def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], per_view: Sequence[int],
+                  sh_degree: Optional[int], antialiased: bool) -> Tuple[ViewProjection, torch.Tensor]:
+    """Project packed rows [M, D] that are consecutive runs of `per_view[k]` rows, each run in camera `cams[k]`
+    ((viewmat [4, 4], K [3, 3], W, H)), as one projection; and each row's run. On the CPU one call with a camera
+    per row; on CUDA gsplat's kernels take one camera for all rows: one call per view, concatenated."""
+    device = packed.device
+    total = sum(per_view)
+    run_of_row = torch.repeat_interleave(torch.arange(len(per_view)), torch.tensor(list(per_view), dtype=torch.int64),
+                                         output_size=total).to(device)
+    stack = (torch.stack([c[0] for c in cams]), torch.stack([c[1] for c in cams]),
+             torch.tensor([[float(c[2]), float(c[3])] for c in cams], device=device))
+    if device.type == "cpu" or len(cams) <= 1:
+        row_cams = RowCameras(*(t.index_select(0, run_of_row) for t in stack)) if len(cams) > 1 else \
+            RowCameras(*stack)
+        return project_rows(packed, num_rest, row_cams, sh_degree, antialiased), run_of_row
+    parts, start = [], 0
+    for k, n in enumerate(per_view):
+        cam = RowCameras(stack[0][k:k + 1], stack[1][k:k + 1], stack[2][k:k + 1])
+        parts.append((start, project_rows(packed[start:start + n], num_rest, cam, sh_degree, antialiased)))
+        start += n
+    leaves = {n: torch.cat([p.leaves[n] for _, p in parts]) for n in parts[0][1].leaves}
+    proj = ViewProjection(leaves, torch.cat([p.ids + a for a, p in parts]), torch.cat([p.radii for _, p in parts]),
+                          torch.cat([p.splats for _, p in parts]),
+                          torch.cat([p.sizes.expand(p.ids.shape[0], 2) for _, p in parts]))
+    return proj, run_of_row
 
 
 def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> Contribution:

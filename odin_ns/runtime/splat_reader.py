@@ -1,0 +1,152 @@
+"""The reader's side of the splat data path (a part of `runtime.splat_path.SplatPath`).
+
+W: a publication is a header (per step of its window and view of this rank: the splat count of the view if the
+read takes its version, else -1; throughput-first adds each published block's evidence) and the splats it
+announces; they are kept for the steps that read them, and the reader checks that the owner projected the version
+it decided. R: a view renders its own splats and the received ones in key order (the order one process renders
+in). G: the gradients of each owner's splats go back in the order they came. At the exact policies, the receives
+of the next messages on every pair are posted as soon as the list's order allows (`_post_ahead`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from odin_ns.render.splats import SPLAT_WIDTH
+
+WIRE = SPLAT_WIDTH + 2  # the splat, its radius, its key
+RADIUS, KEY = SPLAT_WIDTH, SPLAT_WIDTH + 1
+
+
+class SplatReader:
+    """Receive, render from and answer the owners' splats (mixed into `SplatPath`: the state is its)."""
+
+    def receive(self, pubs: Sequence[Tuple[int, int]]) -> List[tuple]:
+        """Publications (owner, update) off the channels: headers in one batch, one host read, payloads in one
+        batch. Returns (the views' counts per step of the window, evidence, payload) per publication."""
+        me, plan, rt = self.env.rank, self.plan, self.runtime
+        shapes = [[len(plan.rank_views(t, me)) for t in self.window(u)] for _, u in pubs]
+        n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
+        early = [self.early.pop(("P", u, o), None) for o, u in pubs]
+        headers = [e[0] if e is not None else torch.empty(sum(s) + n, dtype=torch.int64, device=self.device)
+                   for e, s, n in zip(early, shapes, n_ev)]
+        rt.channels.batch([], [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None], "validate")
+        rt.channels.wait_for([e[1] for e in early if e is not None and e[1] is not None], "validate")
+        for o, u in pubs:
+            rt.channels.note("P", u, o, "recv")
+        values = (torch.cat(headers) if len(headers) > 1 else headers[0]).tolist()  # the one host read
+        out, at = [], 0
+        for shape, e in zip(shapes, n_ev):
+            counts = []
+            for mb in shape:
+                counts.append(values[at:at + mb])
+                at += mb
+            evidence = torch.tensor(values[at:at + e], dtype=torch.int64).view(torch.float64)
+            at += e
+            n = sum(c for per_step in counts for c in per_step if c > 0)
+            out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device)))
+        posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
+        if not plan.staleness:  # on every pair, the next messages' receives go after these, before they are needed
+            self._post_ahead(pubs[0][1] + 1)
+        rt.channels.wait_for(posted, "validate")
+        return out
+
+    def _post_ahead(self, step: int) -> None:
+        """Exact policies, after posting the receives of step `step`'s publications: post the receives of the
+        next messages every pair brings this rank, in the order the lists send them: the readers' splat gradients
+        of `step` (U waits for them; their sizes are the splats this rank projected for them) and the headers of
+        the owners' publications for step+1 (W of step+1). A sender's send then completes when it is posted."""
+        me, plan, rt = self.env.rank, self.plan, self.runtime
+        recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
+        where = {pair: sp for sp in self.steps.get(step, []) for pair in sp.pairs}
+        for q in plan.readers(step, me):
+            n = sum(e - s for pair in sorted(where) if pair[0] == q for s, e in [where[pair].span(pair)])
+            recvs.append((("G", step, q), q, torch.empty((n, self.grad_width), device=self.device)))
+        if plan.contains(step + 1):
+            mb = len(plan.rank_views(step + 1, me))
+            recvs += [(("P", step, o), o, torch.empty(mb, dtype=torch.int64, device=self.device))
+                      for o in plan.deps(step + 1, me)]
+        works = iter(rt.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
+        for key, _, t in recvs:  # a receive of nothing is not posted
+            self.early[key] = (t, next(works) if t.numel() else None)
+
+    def accept(self, owner: int, update: int, raw: tuple) -> None:
+        """Keep a publication's splats for the steps whose read takes its version."""
+        counts, _, payload = raw
+        start = 0
+        for step, per_view in zip(self.window(update), counts):
+            if per_view and per_view[0] >= 0:
+                n = sum(per_view)
+                self.received.setdefault(step, {})[owner] = (update, per_view, payload[start:start + n])
+                start += n
+
+    def check_read(self, step: int, owner: int, version: int) -> None:
+        """The reader decided that its read of `owner` at `step` takes `version`: the owner's replay agrees."""
+        if owner == self.env.rank:  # its own read: projected after the update it takes
+            got = next(((s.update,) for s in self.steps.get(step, []) if (owner, 0) in s.pairs), None)
+        else:
+            got = self.received.get(step, {}).get(owner)
+        if got is None or got[0] != version:
+            from odin_ns.runtime.rank_runtime import OdinRuntimeError
+
+            raise OdinRuntimeError(f"step {step}: the read of rank {owner}'s blocks takes version {version}, but "
+                                   f"rank {owner} projected it at {None if got is None else got[0]}")
+
+    # ---- R: the reader -----------------------------------------------------------------------------------
+
+    def view_splats(self, step: int, slot: int):
+        """Every splat view `slot` of this rank renders at `step`, in key order: (splats [n, SPLAT_WIDTH] whose
+        gradient the render fills, radii [n], the routing of their gradients: per source (owner or this rank) its
+        leaf, and the sort's order)."""
+        me, parts = self.env.rank, []
+        own = next((s for s in self.steps.get(step, []) if (me, slot) in s.pairs), None)
+        if own is not None:  # none where a throughput-first step reads no block of its own
+            a, b = own.span((me, slot))
+            parts.append((me, own.proj.splats.detach()[a:b].requires_grad_(), own.proj.radii[a:b], own.keys[a:b]))
+        for o, (_, counts, payload) in sorted(self.received.get(step, {}).items()):
+            start = sum(counts[:slot])
+            wire = payload[start:start + counts[slot]]
+            self.log.current.remote_pairs += wire.shape[0]
+            parts.append((o, wire[:, :SPLAT_WIDTH].detach().requires_grad_(),
+                          wire[:, RADIUS].contiguous().view(torch.int32), wire[:, KEY].contiguous().view(torch.int32)))
+        if not parts:
+            empty = torch.zeros((0, SPLAT_WIDTH), device=self.device).requires_grad_()
+            parts.append((me, empty, torch.zeros(0, dtype=torch.int32, device=self.device),
+                          torch.zeros(0, dtype=torch.int32, device=self.device)))
+        keys = torch.cat([p[3].to(torch.int64) for p in parts])
+        order = torch.argsort(keys)
+        splats = torch.cat([p[1] for p in parts]).index_select(0, order)
+        radii = torch.cat([p[2] for p in parts]).index_select(0, order)
+        return splats, radii, (parts, order, own is not None)
+
+    def after_backward(self, step: int, slot: int, routing, means2d) -> None:
+        """After a view's backward: its gradients of this rank's splats kept for U, the other owners' for G."""
+        parts, order, has_own = routing
+        absgrad = None
+        if self.absgrad:
+            absgrad = torch.empty_like(means2d.absgrad)
+            absgrad[order] = means2d.absgrad
+        start = 0
+        for o, leaf, _, _ in parts:
+            n = leaf.shape[0]
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            part_abs = absgrad[start:start + n] if absgrad is not None else None
+            start += n
+            if o == self.env.rank:
+                if has_own:
+                    self.own_grads.setdefault(step, {})[slot] = (grad, part_abs)
+            else:
+                wire = grad.index_select(1, self.grad_columns)
+                wire = torch.cat([wire, part_abs], dim=1) if part_abs is not None else wire
+                self.grads_out.setdefault(step, {}).setdefault(o, []).append(wire)
+
+    def send_gradients(self, step: int, owners: Sequence[int]) -> None:
+        """G: each owner the gradients of its splats of every view of `step` (one payload each)."""
+        sends = []
+        for o in owners:
+            per_view = self.grads_out.get(step, {}).get(o, [])
+            sends.append((o, torch.cat(per_view) if len(per_view) > 1 else per_view[0]))
+            self.runtime.channels.note("G", step, o, "send")
+        self.runtime.channels.batch(sends, [], "transfer", "G")
