@@ -197,6 +197,7 @@ def compare(runs: List[Dict]) -> List[Dict]:
             "peak_resident_share": s.get("peak_resident_share", []),
             "peak_bytes_per_rank": s.get("peak_bytes_per_rank", []),
             "peak_bytes_share": s.get("peak_bytes_share", []),
+            "peak_projection_bytes": s.get("peak_projection_bytes_per_rank", []),
             "bytes_per_pair": (s.get("bytes_per_pair_to_reader"), s.get("bytes_per_pair_back")),
             "stale_admitted": s.get("stale_admitted", 0), "stale_refused": s.get("stale_refused", 0),
             "max_staleness_seen": s.get("max_staleness_seen", 0),
@@ -241,7 +242,8 @@ def print_table(rows: List[Dict], title: str) -> None:
                       "-" if r["bytes_per_pair"][0] is None else "/".join(f"{x:.0f}" for x in r["bytes_per_pair"]),
                       "/".join(f"{x:.0%}" for x in r["peak_resident_share"]) + " " +
                       "/".join(f"{x / 1e6:.1f}" for x in r["peak_bytes_per_rank"]) + " MB = " +
-                      "/".join(f"{x:.0%}" for x in r["peak_bytes_share"]),
+                      "/".join(f"{x:.0%}" for x in r["peak_bytes_share"]) + " (+" +
+                      "/".join(f"{x / 1e6:.1f}" for x in r["peak_projection_bytes"]) + ")",
                       f"{r['stale_admitted']}/{r['stale_refused']}" if POLICIES[r["policy"]].stale_reads else "-",
                       "-" if not r.get("replayed_wall_s") else
                       f"{r['replayed_wall_s']:.1f} ({r['replayed_wall_s'] / r['wall_s'] - 1:+.0%})",
@@ -255,7 +257,8 @@ def print_table(rows: List[Dict], title: str) -> None:
           "place of the main thread's work. 'B/pair': bytes sent per visible (view, remote Gaussian) pair, to the "
           "readers / back to the owners. 'resident': per rank, the largest share of the model it owned at a step (no "
           "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the step's messages) "
-          "and their share of one process's (every row with Adam's moments). 'stale/refused': "
+          "and their share of one process's (every row with Adam's moments), in brackets the MB its kept "
+          "projections held at most (the projected rows' copies their backward reads). 'stale/refused': "
           "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
           "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 

@@ -284,6 +284,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         record.row_bytes = 4 * self.width
         record.resident_bytes = 3 * record.row_bytes * record.gaussians_owned + record.bytes_sent + \
             record.bytes_received  # no rank holds another's rows
+        record.projection_bytes = self.splats.take_kept_peak()
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0
         record.plan_violations, runtime.plan_violations = runtime.plan_violations, 0

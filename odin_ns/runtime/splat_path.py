@@ -73,6 +73,7 @@ class SplatPath(SplatReader):
         # step -> the owned rows some view of the step sees (a mark per row while the step's projections are made,
         # then the rows, ascending: what its update touches, known without a host read of its own)
         self.marks: Dict[int, torch.Tensor] = {}
+        self.kept_bytes = self.kept_peak = 0  # the kept projections' rows and splats, now and at most since read
         self.touched: Dict[int, torch.Tensor] = {}
         self.received: Dict[int, Dict[int, Tuple[int, List[int], torch.Tensor]]] = {}  # step -> owner -> (version,
         # per view splat count, splats)
@@ -151,6 +152,8 @@ class SplatPath(SplatReader):
         if final:
             self._touched(step, seen.pop())
         splat_starts = [sum(seen[:k]) for k in range(len(pairs))]
+        self.kept_bytes += _kept_bytes(proj)
+        self.kept_peak = max(self.kept_peak, self.kept_bytes)
         return StepProjection(update, proj, pairs, rows, [(a, a + n) for a, n in zip(starts, per_pair)],
                               [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids))
 
@@ -193,6 +196,7 @@ class SplatPath(SplatReader):
         (owned row indices, rows); and the owned rows some view saw (ascending)."""
         me, rt = self.env.rank, self.runtime
         projections = self.steps.pop(step, [])
+        self.kept_bytes -= sum(_kept_bytes(sp.proj) for sp in projections)
         where = {pair: sp for sp in projections for pair in sp.pairs}
         order = sorted(where)  # the reference order: rank, then view
         cols = self.grad_columns.shape[0]
@@ -243,10 +247,20 @@ class SplatPath(SplatReader):
             result.append((sp.rows[a:b], out[id(sp)][a:b]))
         return result, self.touched.pop(step)
 
+    def take_kept_peak(self) -> int:
+        """The most the kept projections held since the last call."""
+        peak, self.kept_peak = self.kept_peak, self.kept_bytes
+        return peak
+
     def forget_step(self, step: int) -> None:
         self.received.pop(step, None)
         self.grads_out.pop(step, None)
         self.own_grads.pop(step, None)
-        self.steps.pop(step, None)
+        self.kept_bytes -= sum(_kept_bytes(sp.proj) for sp in self.steps.pop(step, []))
         self.marks.pop(step, None)
         self.touched.pop(step, None)
+
+
+def _kept_bytes(proj: ViewProjection) -> int:
+    """A kept projection's leaves (the projected rows' parameters) and splats, in bytes."""
+    return sum(t.numel() * t.element_size() for t in (*proj.leaves.values(), proj.splats))

@@ -73,6 +73,8 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "peak_bytes_per_rank": [max((r.get("resident_bytes", 0) for r in records if r["rank"] == q), default=0)
                                 for q in range(world_size)],
         "peak_bytes_share": bytes_share(records, world_size),
+        "peak_projection_bytes_per_rank": [max((r.get("projection_bytes", 0) for r in records if r["rank"] == q),
+                                               default=0) for q in range(world_size)],
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
         "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),

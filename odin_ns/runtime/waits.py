@@ -46,6 +46,9 @@ class StepRecord:
     # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the step's message
     # buffers (sent and received); no rank holds another rank's rows
     resident_bytes: int = 0
+    # the most the owner's kept projections held in the step (the projected rows' copies its backward reads, and
+    # their splats): not in resident_bytes, which counts what the targets name (parameters, moments, messages)
+    projection_bytes: int = 0
     row_bytes: int = 0  # bytes of one Gaussian's packed parameters (one process holds 3x that per Gaussian with Adam)
     gaussians_owned: int = 0
     blocks_read: int = 0
@@ -77,6 +80,7 @@ class StepRecord:
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
             "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
+            "projection_bytes": self.projection_bytes,
             "gaussians_owned": self.gaussians_owned,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
