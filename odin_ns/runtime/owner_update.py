@@ -70,7 +70,7 @@ class OwnerUpdate:
         acc = self._acc[:T + 1, :width + 3].zero_()
         radii = self._acc[:T + 1, width + 3].zero_()
         for idx, piece in contributions:
-            pos = self._positions(rows, idx)
+            pos = idx if T == n_owned else self._positions(rows, idx)  # every row touched: its place is its index
             acc.index_add_(0, pos, piece)
             radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
         live = torch.full((len(PARAM_NAMES),), T > 0, dtype=torch.bool, device=self.device)

@@ -175,16 +175,22 @@ class SelectiveAdam(torch.optim.Optimizer):
         p_r, m_r, v_r, denom, g_r = self._buffers(p, rows.shape[0])
         if not grad.is_contiguous():
             grad = g_r.copy_(grad)
-        torch.index_select(p, 0, rows, out=p_r)
-        torch.index_select(m, 0, rows, out=m_r)
-        before = p_r.clone() if keep_before else None
-        if rows.numel() == 0:
-            return before, p_r, m_r
         lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
         if group["bias_correction"]:
             bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
         else:
             bias1, bias2_sqrt = 1.0, 1.0
+        if rows.shape[0] == p.shape[0] and rows.numel():  # every row (rows ascending, distinct): in place, no
+            # gather; the same operations on the same values, element by element
+            data = p.data
+            before = data.clone() if keep_before else None
+            _adam_rows(data, grad, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom)
+            return before, data, m
+        torch.index_select(p, 0, rows, out=p_r)
+        torch.index_select(m, 0, rows, out=m_r)
+        before = p_r.clone() if keep_before else None
+        if rows.numel() == 0:
+            return before, p_r, m_r
         torch.index_select(v, 0, rows, out=v_r)
         _adam_rows(p_r, grad, m_r, v_r, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom)
         p.index_copy_(0, rows, p_r)
