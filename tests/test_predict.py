@@ -133,3 +133,29 @@ def test_the_splat_data_path_prices_one_splat_per_view_and_gaussian_seen():
     assert pub == pytest.approx(seen * SPLAT_BYTES)  # rank 0's view of step 5 sees the same share
     with pytest.raises(ValueError, match="unknown data path"):
         priced("photons")
+
+
+def test_the_lanes_publications_carry_each_read_behind_once():
+    """Throughput-first on splats: a read admitted behind is projected by its owner when its version is current, so
+    the lane's publication of update u carries the splats of every read that takes u (the next step's current
+    reads and later steps' reads behind): every read's splats travel once, in the message of its version."""
+    import torch
+
+    from odin_ns.schedule.gpu_costs import GPUS, gpu_costs
+    from odin_ns.schedule.links import link
+
+    exact, stale = _jitter_plan(staleness=0), _jitter_plan(staleness=1)
+    views = 2 * len(exact.views)
+    visible = torch.full((views, 4), 0.5)
+    costs = gpu_costs([exact], [1.0] * views, [1.0] * views, [100, 100, 40, 80], 1.0, GPUS["h200"], link("pcie"),
+                      visible, data_path="splats", stale_plans=[stale])
+
+    def published(plan, sender):
+        return {a.step: costs.message_bytes(sender, a) for a in plan.actions(sender) if a.kind == "P"}
+
+    behind = [(a.step, a.peer) for r in (0, 1) for a in stale.actions(r) if a.kind == "W" and a.stale]
+    assert behind, "the plan admits no read behind"
+    for sender in (0, 1):
+        lane, now = published(stale, sender), published(exact, sender)
+        assert sum(lane.values()) == pytest.approx(sum(now.values()))  # the same splats, other messages
+        assert lane != pytest.approx(now)
