@@ -19,8 +19,9 @@ The actions keep their meaning and their lists; what travels is splats:
 - U (owner): one backward of the splat gradients through each projection of the step (one per version read), then
   each view's contribution in the reference order (rank, then view) to the owners' update.
 The reader's side (W, R's splats, G) is `runtime.splat_reader`; the projection of a step's views in one call is
-`runtime.view_projection.project_views`. No rank holds another rank's rows, and no older version of its own: a read behind was projected when its version
-was current. Memory is the owned rows with their optimizer state, and the splats and kept projections in flight.
+`runtime.view_projection.project_views`. No rank holds another rank's rows, and no older version of its own: a
+read behind was projected when its version was current. Memory is the owned rows with their optimizer state, and
+the splats and kept projections in flight.
 """
 
 from __future__ import annotations
