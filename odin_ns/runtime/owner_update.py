@@ -51,6 +51,7 @@ class OwnerUpdate:
         self.width = self.columns[-1][1]
         self._mark = torch.zeros(0, dtype=torch.int32, device=device)
         self._acc: Optional[torch.Tensor] = None  # the sum's buffer (odin_ns.buffers)
+        self._place: Optional[torch.Tensor] = None  # each owned row's place among the touched rows
 
     def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: Optional[torch.Tensor],
             optimizers, track: bool, evidence: bool) -> UpdateResult:
@@ -69,8 +70,9 @@ class OwnerUpdate:
         self._acc = kept_rows(self._acc, T + 1, (width + 4,), torch.float32, self.device)  # sum, largest radius
         acc = self._acc[:T + 1, :width + 3].zero_()
         radii = self._acc[:T + 1, width + 3].zero_()
+        place = None if T == n_owned else self._places(rows, n_owned)  # every row touched: its place is its index
         for idx, piece in contributions:
-            pos = idx if T == n_owned else self._positions(rows, idx)  # every row touched: its place is its index
+            pos = idx if place is None else place.index_select(0, idx)
             acc.index_add_(0, pos, piece)
             radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
         live = torch.full((len(PARAM_NAMES),), T > 0, dtype=torch.bool, device=self.device)
@@ -87,15 +89,14 @@ class OwnerUpdate:
             self._add_statistics(rows, acc[:T], radii[:T], n_owned)
         return UpdateResult(rows, live, delta_sq)
 
-    @staticmethod
-    def _positions(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Each index's place among the touched rows (T, the spare row, for an untouched one)."""
+    def _places(self, rows: torch.Tensor, n_owned: int) -> torch.Tensor:
+        """Each owned row's place among the touched rows (T, the spare row, for an untouched one): a table, one
+        scatter, where a search per index costs its logarithm."""
         T = rows.shape[0]
-        if T == 0:
-            return torch.zeros_like(idx)
-        pos = torch.searchsorted(rows, idx)
-        hit = rows[pos.clamp(max=T - 1)] == idx
-        return torch.where(hit, pos, torch.full_like(pos, T))
+        self._place = kept_rows(self._place, n_owned, (), torch.int64, self.device)
+        place = self._place[:n_owned].fill_(T)
+        place.index_copy_(0, rows, torch.arange(T, device=self.device))
+        return place
 
     def _add_statistics(self, rows, acc, radii, n_owned) -> None:
         """gsplat's DefaultStrategy statistics of the touched rows: the sum of the views' screen-space gradient
