@@ -71,7 +71,6 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         if self._store is not None and self.lane_mode == "inline":  # every key exists before the first probe (the
             self._store.set(f"{SENT_KEY}{env.rank}", "-1")  # start-up's collectives come between): one read each
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
-        self.own_version: Dict[int, int] = {}  # throughput-first: the version of its own blocks each step renders
         self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
         self.block_cut = block_cut
         # where phases end (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
@@ -168,8 +167,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
         self.lane = None
         if self.staleness and self.env.distributed:
-            self.own_version = {}
-            self.own_pos = step - 1
+            self.own_pos = step - 1  # throughput-first: the version of its own blocks its last read took
             self.lane = Lane(self.program, dict(self.handlers, decide=self._decide_read, probe=self._lane_probe),
                              name=f"odin-lane-r{me}", mode=self.lane_mode)
 
@@ -340,7 +338,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         version = self.runtime.own_admitted(step, self.own_pos, until)
         if version is None:
             return False
-        self.own_pos = self.own_version[step] = version
+        self.own_pos = version
         self.splats.check_read(step, me, version)
         return True
 

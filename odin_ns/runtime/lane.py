@@ -7,7 +7,7 @@ waits on other ranks (the lane) are apart: the lane runs the list's W, G, U and 
 posts every message of the rank: the order on every pair of ranks is the list's), the main thread renders.
 
 The lane and the renders meet at two points per step: a render of step t starts when every W of step t is decided
-(`ready`); the lane's G of step t waits for that step's contributions (`put`). A W the plan admits behind runs
+(`ready`); the lane's G of step t waits for that step's renders (`put`). A W the plan admits behind runs
 early, before the rank's update of step t-1; if the evidence refuses it, it runs again after that update and its
 publications (current). Written here: torch.distributed has no such lane.
 
