@@ -124,3 +124,31 @@ def test_an_owner_projects_several_views_in_one_call_as_one_call_each():
     splats.backward(torch.cat([alone[0][3], alone[1][3]]))
     together = torch.cat([p[k].grad.flatten(1) for k in p], 1)
     assert n0 > 50 and torch.equal(together, torch.cat(grads_alone))
+
+
+def test_a_projection_of_several_views_gives_every_parameter_its_gradient_in_one_call_or_one_per_view():
+    """What an owner keeps for its backward (`project_views`): one call with a camera per row (CPU), or a call per
+    view on slices of the same leaves (gsplat's kernels on CUDA take one camera); the same splats and the same
+    contribution to every row's every parameter, none lost to a copy of the leaves."""
+    from odin_ns.runtime.sharded import pack_params
+    from odin_ns.runtime.view_projection import backprop, project_views
+
+    s = scene(400)
+    vm2 = s["viewmat"].clone()
+    vm2[:3, 3] += torch.tensor([0.5, 0.2, -0.3])
+    rows = torch.cat([torch.arange(0, 300), torch.arange(100, 400)])
+    params = {"means": s["means"], "scales": s["log_scales"], "quats": s["quats"], "features_dc": s["coeffs"][:, 0],
+              "features_rest": s["coeffs"][:, 1:], "opacities": s["logits"]}
+    packed = pack_params(params)[rows]
+    cams = [(s["viewmat"], s["K"], W, H), (vm2, s["K"], W, H)]
+    out = []
+    for per_call in (False, True):
+        proj, run = project_views(packed, 15, cams, [300, 300], 3, True, per_call=per_call)
+        grads = torch.rand(proj.splats.shape, generator=torch.Generator().manual_seed(7))
+        absgrad = torch.rand((proj.splats.shape[0], 2), generator=torch.Generator().manual_seed(8))
+        out.append((proj.ids, proj.radii, proj.splats.detach(), run, backprop(proj, grads, absgrad)))
+    (ids, radii, splats, run, one), (ids2, radii2, splats2, run2, each) = out
+    assert torch.equal(ids, ids2) and torch.equal(radii, radii2) and torch.equal(splats, splats2)
+    assert torch.equal(run, run2) and int((radii > 0).sum()) > 100
+    assert bool(one.used.all()) and bool(each.used.all())  # every parameter got a gradient
+    assert torch.equal(one.rows, each.rows) and bool((one.rows[:, :3] != 0).any())

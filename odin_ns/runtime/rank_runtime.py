@@ -182,9 +182,11 @@ class RankRuntime(ReadAdmission):
         if not plan.contains(step) or step == plan.start:
             return
         current = {}
-        if plan.staleness and self.channels is not None:  # the readers' reads of `step`, current or behind
+        if plan.staleness and self.channels is not None:  # the reads of `step` (this rank's own too): current or
+            # behind (a throughput-first step whose views read none of its own blocks has no own read to add to)
             self.decide_reads(step - 1, step)
-            current = {q: self.read_version.get((step, q)) == step - 1 for q in plan.readers(step, self.env.rank)}
+            me = self.env.rank
+            current = {q: self.read_version.get((step, q)) == step - 1 for q in plan.readers(step, me) + [me]}
         rows = self.changed_rows()
         if rows.numel() == 0 or not self.n_owned:
             return

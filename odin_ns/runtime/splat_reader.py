@@ -48,7 +48,8 @@ class SplatReader:
             n = sum(c for per_step in counts for c in per_step if c > 0)
             out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device)))
         posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
-        if not plan.staleness:  # on every pair, the next messages' receives go after these, before they are needed
+        if not plan.staleness and rt.channels.posts_ahead:  # on every pair, the next messages' receives go after
+            # these, before they are needed
             self._post_ahead(pubs[0][1] + 1)
         rt.channels.wait_for(posted, "validate")
         return out
@@ -57,7 +58,8 @@ class SplatReader:
         """Exact policies, after posting the receives of step `step`'s publications: post the receives of the
         next messages every pair brings this rank, in the order the lists send them: the readers' splat gradients
         of `step` (U waits for them; their sizes are the splats this rank projected for them) and the headers of
-        the owners' publications for step+1 (W of step+1). A sender's send then completes when it is posted."""
+        the owners' publications for step+1 (W of step+1). A sender's send then completes when it is posted. Only
+        where the transport allows it (`Channels.posts_ahead`: gloo)."""
         me, plan, rt = self.env.rank, self.plan, self.runtime
         recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
         where = {pair: sp for sp in self.steps.get(step, []) for pair in sp.pairs}

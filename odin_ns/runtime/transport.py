@@ -75,6 +75,8 @@ class Channels:
     named cause. With recording on, every message is noted as (kind, step, peer, "send"/"recv") in posting order
     (payloads and headers of one message count once, as the header's).
 
+    `batch(..., wait=False)` only posts the receives (`wait_for` them later), where `posts_ahead` allows it.
+
     The channels have a process group of their own (`group`: every rank, made once at start-up): whole-model
     gathers and collectives in the middle of a phase (the viewer's refresh, an evaluation) run on the default group
     and so never come between two messages of a pair that the order matches."""
@@ -114,14 +116,23 @@ class Channels:
             return []
         works = dist.batch_isend_irecv(ops)
         self.log.add_traffic(sent, received, kind)
-        for i, (op, work) in enumerate(zip(ops, works)):
-            if op.op is dist.isend:
-                self._pending.append((work, op.tensor))
-        posted = [works[i] for i in recv_ops]
+        if len(works) != len(ops):  # NCCL coalesces a batch: its works complete together, sends and receives
+            self._pending += [(work, [op.tensor for op in ops]) for work in works]
+            posted = list(works) if recv_ops else []
+        else:  # gloo: one work per operation
+            self._pending += [(work, op.tensor) for op, work in zip(ops, works) if op.op is dist.isend]
+            posted = [works[i] for i in recv_ops]
         if wait:
             self.wait_for(posted, cause)
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         return posted
+
+    @property
+    def posts_ahead(self) -> bool:
+        """Whether receives may be posted before they are needed: gloo's complete one by one, in any order of
+        waiting; NCCL runs a rank's point-to-point batches in order on one stream, so a receive posted early
+        would hold up the rank's own later sends until its peer sends (a cycle when the peer waits for them)."""
+        return self.device.type == "cpu"
 
     def wait_for(self, works: Sequence[dist.Work], cause: str) -> None:
         """Until receives posted earlier have arrived."""

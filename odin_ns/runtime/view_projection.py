@@ -36,40 +36,53 @@ def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree:
                  antialiased: bool) -> ViewProjection:
     """Project packed rows [M, D] (a copy is made: the leaves), each in its camera (one for all rows, or one per
     row: an owner projects for every view that reads its blocks at a step in one call)."""
-    leaves = {n: t.clone().requires_grad_() for n, t in unpack_params(rows, num_rest).items()}
-    coeffs = torch.cat([leaves["features_dc"][:, None, :], leaves["features_rest"]], dim=1)
-    if sh_degree is None:
-        coeffs = coeffs[:, :1]
-    ids, radii, splats = project_splats(leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"],
-                                        coeffs, cams, sh_degree, antialiased)
+    leaves = _leaves(rows, num_rest)
+    ids, radii, splats = _project(leaves, cams, sh_degree, antialiased)
     return ViewProjection(leaves, ids, radii, splats, cams.rows(ids).sizes.to(splats.dtype))
 
 
+def _leaves(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
+    return {n: t.clone().requires_grad_() for n, t in unpack_params(rows, num_rest).items()}
+
+
+def _project(params: Dict[str, torch.Tensor], cams: RowCameras, sh_degree: Optional[int], antialiased: bool):
+    coeffs = torch.cat([params["features_dc"][:, None, :], params["features_rest"]], dim=1)
+    if sh_degree is None:
+        coeffs = coeffs[:, :1]
+    return project_splats(params["means"], params["quats"], params["scales"], params["opacities"], coeffs, cams,
+                          sh_degree, antialiased)
+
+
 def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], per_view: Sequence[int],
-                  sh_degree: Optional[int], antialiased: bool) -> Tuple[ViewProjection, torch.Tensor]:
+                  sh_degree: Optional[int], antialiased: bool, per_call: Optional[bool] = None
+                  ) -> Tuple[ViewProjection, torch.Tensor]:
     """Project packed rows [M, D] that are consecutive runs of `per_view[k]` rows, each run in camera `cams[k]`
     ((viewmat [4, 4], K [3, 3], W, H)), as one projection; and each row's run. On the CPU one call with a camera
-    per row; on CUDA gsplat's kernels take one camera for all rows: one call per view, concatenated."""
+    per row; on CUDA (or with `per_call`) gsplat's kernels take one camera for all rows: one call per view, on
+    slices of the same leaves (so every parameter's gradient reaches them), concatenated."""
     device = packed.device
     total = sum(per_view)
     run_of_row = torch.repeat_interleave(torch.arange(len(per_view)), torch.tensor(list(per_view), dtype=torch.int64),
                                          output_size=total).to(device)
     stack = (torch.stack([c[0] for c in cams]), torch.stack([c[1] for c in cams]),
              torch.tensor([[float(c[2]), float(c[3])] for c in cams], device=device))
-    if device.type == "cpu" or len(cams) <= 1:
+    if per_call is None:
+        per_call = device.type != "cpu"
+    if not per_call or len(cams) <= 1:
         row_cams = RowCameras(*(t.index_select(0, run_of_row) for t in stack)) if len(cams) > 1 else \
             RowCameras(*stack)
         return project_rows(packed, num_rest, row_cams, sh_degree, antialiased), run_of_row
-    parts, start = [], 0
+    leaves = _leaves(packed, num_rest)
+    ids, radii, splats, sizes, start = [], [], [], [], 0
     for k, n in enumerate(per_view):
         cam = RowCameras(stack[0][k:k + 1], stack[1][k:k + 1], stack[2][k:k + 1])
-        parts.append((start, project_rows(packed[start:start + n], num_rest, cam, sh_degree, antialiased)))
+        i, r, s = _project({name: t[start:start + n] for name, t in leaves.items()}, cam, sh_degree, antialiased)
+        ids.append(i + start)
+        radii.append(r)
+        splats.append(s)
+        sizes.append(stack[2][k:k + 1].to(s.dtype).expand(i.shape[0], 2))
         start += n
-    leaves = {n: torch.cat([p.leaves[n] for _, p in parts]) for n in parts[0][1].leaves}
-    proj = ViewProjection(leaves, torch.cat([p.ids + a for a, p in parts]), torch.cat([p.radii for _, p in parts]),
-                          torch.cat([p.splats for _, p in parts]),
-                          torch.cat([p.sizes.expand(p.ids.shape[0], 2) for _, p in parts]))
-    return proj, run_of_row
+    return ViewProjection(leaves, torch.cat(ids), torch.cat(radii), torch.cat(splats), torch.cat(sizes)), run_of_row
 
 
 def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> Contribution:
