@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import script
+from conftest import FAST_TRAINING, TINY_CITY, script
 from test_distributed_equivalence import GAUSS, KEEP, assert_same_training, assert_sh_trained, city, load, resumed, \
     stats
 
@@ -71,6 +71,18 @@ def test_reads_behind_move_splats_projected_when_their_version_was_current(runs)
     assert s["stale_admitted"] > 0 and s["remote_pairs"] > 0
     assert s["bytes_per_pair_to_reader"] <= 50.0 and s["bytes_per_pair_back"] <= 44.0  # headers: counts, evidence
     assert max(s["peak_bytes_share"]) < 0.75
+
+
+def test_a_block_that_leaves_its_bounds_reaches_the_reads_behind_too(runs):
+    """A Gaussian pushed by hand outside its block's planned bounds (DESIGN.md semantics 6), under reads admitted
+    behind: the owner keeps the block on its list of blocks outside for the rest of the phase and projects it for
+    every view that sees it, whether the view's read takes the version of the push or a later one, current or
+    behind; the owners' exhaustive check finds nothing a view kept outside what it rendered."""
+    args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"] + TINY_CITY
+    summary = stats(runs.get(2, "odin-throughput", args, extra_env={"ODIN_NS_FAULT_PUSH": "8"}))["summary"]
+    assert summary["stale_admitted"] > 0
+    assert summary["plan_violations"] >= 1 and summary["misses_handled"] >= 1, summary
+    assert summary["read_set_misses"] == 0, summary
 
 
 def test_a_resumed_throughput_run_ends_where_the_uninterrupted_one_ends(runs):

@@ -42,6 +42,7 @@ class ReadAdmission:
             self.rel_now = torch.full((B,), math.inf, dtype=torch.float64)
             self._structural = False
         self.rel_hist = {plan.start - 1: self.rel_now.clone()}
+        self.held = plan.start - 1  # the version of this rank's parameters (its last update)
         self.rel_seen = torch.full((B,), math.inf, dtype=torch.float64)
         self.pos: Dict[int, Optional[int]] = {o: None for o in range(R) if o != me}
         self.queued: Dict[int, List[tuple]] = {}  # owner -> publications received ahead (`drain`)
@@ -61,6 +62,7 @@ class ReadAdmission:
             hit = d > 0
             self.rel_now[self.own_ids[hit]] = torch.sqrt(d[hit] / self.norm_sq[hit].clamp_min(1e-30))
         self.rel_hist[step] = self.rel_now.clone()
+        self.held = step
         self.note_skipped(self.env.rank, step, self.rel_now)
 
     def admits(self, step: int, reader: int, owner: int, pos: int, rels: torch.Tensor) -> bool:

@@ -79,6 +79,8 @@ class RankRuntime(ReadAdmission):
         self.extras_self: Dict[int, Dict[int, List[int]]] = {}  # step -> own view -> own blocks added after a miss
         self.extras_out: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # step -> reader -> (view, block)
         self.moved_rows: List[torch.Tensor] = []  # rows moved outside the optimizer this step (fault injection)
+        self.outside: set = set()  # owned blocks a row of which left the bounds the phase was planned with
+        self._visible_in = None  # the engine's visibility test (`check_envelope` hands it)
         self.last: Optional[UpdateResult] = None
         norm_sq = torch.zeros(len(self.own_ids), dtype=torch.float64)
         if plan.staleness and self.n_owned:
@@ -174,13 +176,17 @@ class RankRuntime(ReadAdmission):
         self.moved_rows.append(torch.tensor([row], dtype=torch.int64, device=self.device))
 
     def check_envelope(self, step: int, visible_in: Callable[[int, Dict[str, torch.Tensor]], int]) -> None:
-        """Before publishing for `step`: do the rows that moved lie inside the envelope the plan assumed for their
-        blocks? A block a row left is tested against every view of `step` that does not read it and whose read of
-        this rank is current (one admitted behind renders an older version, which was inside); for a view that sees
-        it the owner projects the whole block too (`extras_out`, `extras_self`); its evidence becomes inf."""
+        """After the update of step-1, before its version is projected: do the rows that moved lie inside the
+        envelope the plan assumed for their blocks? A block a row left stays on the list of blocks outside for the
+        rest of the phase (a row that is not touched again stays where it went); each is tested against every view
+        of `step` that does not read it and whose read of this rank takes this version (one behind renders an
+        older version); for a view that sees it the owner projects the whole block too (`extras_out`,
+        `extras_self`); its evidence is inf while it is outside. Throughput-first's reads of later steps that take
+        this version get the same (`extras_behind`)."""
         plan = self.plan
         if not plan.contains(step) or step == plan.start:
             return
+        self._visible_in = visible_in
         current = {}
         if plan.staleness and self.channels is not None:  # the reads of `step` (this rank's own too): current or
             # behind (a throughput-first step whose views read none of its own blocks has no own read to add to)
@@ -188,33 +194,43 @@ class RankRuntime(ReadAdmission):
             me = self.env.rank
             current = {q: self.read_version.get((step, q)) == step - 1 for q in plan.readers(step, me) + [me]}
         rows = self.changed_rows()
-        if rows.numel() == 0 or not self.n_owned:
+        if rows.numel() and self.n_owned:
+            i = plan.index(step)
+            motion, growth = plan.motion[i], plan.growth[i]
+            env_lo, env_hi, env_scale = self.envelope
+            blocks = self.row_block_d[rows]
+            means = self.model.gauss_params["means"].detach()[rows]
+            scale = torch.exp(self.model.gauss_params["scales"].detach()[rows]).amax(dim=1)
+            inside = ((means >= env_lo[blocks] - motion).all(dim=1) & (means <= env_hi[blocks] + motion).all(dim=1)
+                      & (scale.double() <= env_scale[blocks].double() * math.exp(growth)))
+            if not bool(inside.all()):
+                new = set(blocks[~inside].tolist()) - self.outside
+                self.plan_violations += len(new)
+                self.outside |= new
+        if not self.outside:
             return
-        i = plan.index(step)
-        motion, growth = plan.motion[i], plan.growth[i]
-        env_lo, env_hi, env_scale = self.envelope
-        blocks = self.row_block_d[rows]
-        means = self.model.gauss_params["means"].detach()[rows]
-        scale = torch.exp(self.model.gauss_params["scales"].detach()[rows]).amax(dim=1)
-        inside = ((means >= env_lo[blocks] - motion).all(dim=1) & (means <= env_hi[blocks] + motion).all(dim=1)
-                  & (scale.double() <= env_scale[blocks].double() * math.exp(growth)))
-        if bool(inside.all()):
-            return
-        self._outside(step, sorted(set(blocks[~inside].tolist())), current, visible_in)
+        for b in self.outside:  # its update's size is unknown while it is outside: no read of it is admitted behind
+            self.rel_now[b] = math.inf
+            self.rel_hist[step - 1][b] = math.inf
+        self._outside(step, sorted(self.outside), lambda q: current.get(q, True))
 
-    def _outside(self, step: int, outside: List[int], current: Dict[int, bool], visible_in) -> None:
-        """The rare path: blocks that left their planned bounds (Python per block)."""
+    def extras_behind(self, update: int, step: int) -> None:
+        """Throughput-first, after update `update`: the reads of `step` (after update+1) that take its version get
+        the blocks outside their bounds that their views see, as the current reads do (`check_envelope`)."""
+        if self.outside and self._visible_in is not None:
+            self._outside(step, sorted(self.outside), lambda q: self.read_version.get((step, q)) == update)
+
+    def _outside(self, step: int, outside: List[int], takes: Callable[[int], bool]) -> None:
+        """The rare path: blocks outside their planned bounds, tested against the views of `step` whose read of
+        this rank takes the current version (`takes(rank)`; Python per block)."""
         plan, me = self.plan, self.env.rank
         params = {n: self.model.gauss_params[n].detach() for n in _NAMES}
         for b in outside:
-            self.plan_violations += 1
-            self.rel_now[b] = math.inf
-            self.rel_hist[step - 1][b] = math.inf
             s, e = self.ranges[b]
             block_rows = {n: t[s:e] for n, t in params.items()}
             for q in range(plan.num_ranks):
                 for j, ids in enumerate(plan.view_reads(step, q)):
-                    if b in ids or not visible_in(plan.rank_views(step, q)[j], block_rows):
+                    if b in ids or not self._visible_in(plan.rank_views(step, q)[j], block_rows):
                         continue
                     if q != me and me not in plan.deps(step, q):
                         raise OdinRuntimeError(
@@ -222,10 +238,10 @@ class RankRuntime(ReadAdmission):
                             f"{plan.rank_views(step, q)[j]} of rank {q}, which does not wait for rank {me} at step "
                             f"{step}: its read set cannot be completed in time (a parameter changed outside the "
                             "optimizer?); rerun with a shorter --pipeline.phase-length")
-                    if not current.get(q, True):
+                    if not takes(q):
                         continue
                     self.misses_handled += 1
-                    if q == me:  # used only if the rank's read of its own blocks at `step` is current
+                    if q == me:
                         self.extras_self.setdefault(step, {}).setdefault(j, []).append(b)
                     else:
                         self.extras_out.setdefault(step, {}).setdefault(q, []).append((j, b))

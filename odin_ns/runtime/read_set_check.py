@@ -37,17 +37,21 @@ class ReadSetCheck:
         """DESIGN.md semantics 6, verified by the owners (`--pipeline.check-read-sets`): Gaussians of this rank's
         blocks that some view of the step keeps although their block was not in what that view rendered.
 
-        The parameters are those the views of `step` rendered (before this step's update). Read sets are
-        conservative by construction and the runtime adds a block to a read set when an update takes it outside
-        its planned bounds, so this is zero; a miss is reported on the console and counted in odin_stats.json
-        (`read_set_misses`), never ignored."""
+        The parameters are those the views of `step` rendered (before this step's update); a view whose read of
+        this rank took another version (throughput-first's reads behind, or a rank whose update is later) is not
+        checked: the owner no longer holds what it rendered. Read sets are conservative by construction and the
+        runtime adds a block to a read set when an update takes it outside its planned bounds, so this is zero; a
+        miss is reported on the console and counted in odin_stats.json (`read_set_misses`), never ignored."""
         ranges = self.table.owned_ranges(self.env.rank)
         if not ranges:
             return 0
         params = {n: t.detach() for n, t in self.model.gauss_params.items() if n in PARAM_NAMES}
         misses = 0
         extras = self.runtime.extras_out.get(step, {})
+        held = self.runtime.held  # the version this rank's parameters are at
         for q, views in enumerate(self.plan.views[self.plan.index(step)]):
+            if self.runtime.read_version.get((step, q), held) != held:
+                continue
             for j, view in enumerate(views):
                 seen = set(self.plan.view_reads(step, q)[j])
                 if q == self.env.rank:

@@ -111,6 +111,8 @@ class SplatPath(SplatReader):
         plan, rt = self.plan, self.runtime
         last = min(update + 1 + plan.staleness, plan.stop - 1)
         rt.decide_reads(update, last)
+        for step in range(update + 2, last + 1):  # reads behind that take this version (throughput-first)
+            rt.extras_behind(update, step)
         with self.log.computing() if timed else contextlib.nullcontext(), self.ops.paused():
             for step in range(max(update + 1, plan.start), last + 1):
                 pairs = [(q, j) for q in range(plan.num_ranks) if rt.read_version.get((step, q)) == update
