@@ -259,8 +259,9 @@ def print_table(rows: List[Dict], title: str) -> None:
           "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the step's messages) "
           "and their share of one process's (every row with Adam's moments), in brackets the MB its kept "
           "projections held at most (the projected rows' copies their backward reads). 'stale/refused': "
-          "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the replay of "
-          "the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
+          "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall "
+          "the replay of the run's own lists with its measured costs predicts (odin-schedule --costs), and its "
+          "error.")
 
 
 def train_main(argv: List[str]) -> int:

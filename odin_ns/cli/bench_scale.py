@@ -7,8 +7,9 @@ For each number of Gaussians and block size, 2 real ranks train the built-in cit
 densification off, so the count stays) under each policy, one after the other in this invocation. From each run's
 odin_stats.json, per step and rank: render, update, bookkeeping, loop, planning and wait in ms (mean over the
 steps before the counted ones but the run's first: phase starts included); the tensor operations the runtime's
-side of a step (validate and publish: all but the render) dispatches and the host syncs among them, counted on the last `--count-steps` steps
-(`runtime.op_count`: what a GPU pays per kernel launch and per stall, machine-independent); peak resident Gaussians
+side of a step (validate and publish: all but the render) dispatches and the host syncs among them, counted on
+the last `--count-steps` steps (`runtime.op_count`: what a GPU pays per kernel launch and per stall,
+machine-independent); peak resident Gaussians
 per rank (its owned rows) as a share of the model. The floor: an Adam step over a rank's owned rows written as
 three in-place operations on one packed [rows, 59] tensor (the moments' two, the parameters' one), on one thread
 (as each of 2 ranks on 2 cores gets), timed in this same invocation; `torch.optim.Adam` over the six parameters is

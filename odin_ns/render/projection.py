@@ -62,11 +62,13 @@ def _sym(c: List[Tensor], i: int, k: int) -> Tensor:
 class RowCameras(NamedTuple):
     """The camera of each row of a projection: one for all rows (k = 1) or one per row (k = N, an owner projecting
     for several views in one call). viewmats [k, 4, 4] world-to-camera, Ks [k, 3, 3], sizes [k, 2] (width, height),
-    float."""
+    float; positions [k, 3], where given, each camera's position (its viewmat's inverse: inverted once per view,
+    not once per row)."""
 
     viewmats: Tensor
     Ks: Tensor
     sizes: Tensor
+    positions: Optional[Tensor] = None
 
     @staticmethod
     def one(viewmat: Tensor, K: Tensor, width: int, height: int) -> "RowCameras":
@@ -77,8 +79,12 @@ class RowCameras(NamedTuple):
         """The cameras of rows `ids` (the same camera when there is one for all)."""
         if self.viewmats.shape[0] == 1:
             return self
-        return RowCameras(self.viewmats.index_select(0, ids), self.Ks.index_select(0, ids),
-                          self.sizes.index_select(0, ids))
+        return RowCameras(*(t.index_select(0, ids) if t is not None else None for t in self))
+
+    def position(self, ids: Tensor) -> Tensor:
+        """[n, 3] (or [1, 3] for one camera): the camera position of rows `ids`."""
+        cams = self.rows(ids)
+        return cams.positions if cams.positions is not None else torch.inverse(cams.viewmats.detach())[:, :3, 3]
 
 
 def _project_one(means: Tensor, covar: List[Tensor], cam: RowCameras, eps2d: float, near_plane: float,
@@ -134,7 +140,7 @@ def project_visible(means: Tensor, covar_of, cam: RowCameras, eps2d: float, near
                     radius_clip: float, calc_compensations: bool):
     """(ids of the visible rows [n], radii [n] int32, means2d [n, 2], depths [n], conics [n, 3], compensations [n]
     or None). `covar_of(rows)` gives the covariance entries of those rows (all when None)."""
-    cam = RowCameras(*(t.detach() for t in cam))
+    cam = RowCameras(*(t.detach() if t is not None else None for t in cam))
     with torch.no_grad():
         cov = [t.detach() for t in covar_of(None)]
         radius = _project_one(means.detach(), cov, cam, eps2d, near_plane, far_plane, False)[0]

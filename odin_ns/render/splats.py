@@ -52,7 +52,7 @@ def project_splats(means: Tensor, quats: Tensor, log_scales: Tensor, logit_opaci
     if sh_degree is None:
         rgb = partition_free(torch.sigmoid, coeffs.index_select(0, ids)[:, 0, :])
     else:
-        campos = torch.inverse(cams.rows(ids).viewmats.detach())[:, :3, 3].to(means.device)
+        campos = cams.position(ids).to(means.device)
         rgb = sh_rgb(sh_degree, means.index_select(0, ids) - campos, coeffs.index_select(0, ids))
     return ids, radii, torch.cat([m2, depth[:, None], conic, opacity[:, None], rgb], dim=1)
 

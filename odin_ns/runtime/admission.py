@@ -86,7 +86,6 @@ class ReadAdmission:
         self.pos[owner] = p
         if done:
             self.splats.check_read(step, owner, p)
-        if done:
             self.note_read(step, owner, plan.publish_blocks(step, owner, me), step - 1 - p, tested,
                            self.rel_seen[at])
         return done

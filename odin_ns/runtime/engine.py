@@ -42,7 +42,7 @@ from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, packed_rows
 from odin_ns.runtime.transport import RECORD_ENV
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.runtime.whole_model import WholeModel
-from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_schedule
+from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
 
@@ -98,11 +98,12 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         # every training camera's projection now (set-up, whatever the order): the first plan of training would
         # otherwise pay for it, seconds on the first views, and count it as a phase wait
         downscale = model._get_downscale_factor()
-        for v in range(len(datamanager.train_dataset)):
+        views = len(datamanager.train_dataset)
+        for v in range(views):
             self._projection(v, downscale)
-        self.schedule = view_schedule(view_order, self.table, lambda v: self._projection(v, downscale),
-                                      len(datamanager.train_dataset), env.world_size, micro_batch,
-                                      datamanager.config.train_cameras_sampling_seed)
+        self.schedule = view_schedule(
+            view_order, lambda: view_read_masks(self.table, lambda v: self._projection(v, downscale), views),
+            self.table.count, views, env.world_size, micro_batch, datamanager.config.train_cameras_sampling_seed)
         self.planner = PhasePlanner(env.world_size, micro_batch, self.schedule,
                                     lambda v: self._projection(v, model._get_downscale_factor()),
                                     self.policy.program_at(self.staleness).name, self.staleness, self.admit_overlap)
@@ -215,7 +216,6 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         """The random training background of one view: seeded by (seed, step, global slot), not by the rank."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * self.schedule.global_batch + slot)
         return torch.rand(3, generator=g).to(self.device)
-
 
     def validate(self, step: int, optimizers) -> List[int]:
         """Before the step: plan the phase if one starts here, then the program's actions before the renders:

@@ -2,14 +2,12 @@
 
 The contributions of a step to this rank's blocks arrive as (owned row indices, rows of gradients and gsplat's
 densification statistics), one per view, in the reference order (rank, then view). The update:
-1. finds the rows some view touched (visible in it), once, with a marker array kept between steps (cleared on
-   those rows only, not over the whole shard);
+1. takes the rows some view touched (visible in it), as the owner's projections found them;
 2. sums the contributions of those rows in the reference order into a compact [touched, D+3] buffer, one
    `index_add_` per contribution (the rows of one contribution are distinct, so each row's sum is the same
    sequence of additions on every rank count; rows a view did not touch go to a spare row that is dropped);
 3. applies selective Adam to those rows only (`SelectiveAdam.step_rows`: no gradient or mask the size of the
-   shard), parameter by parameter, and notes which parameters may have changed (what the publications carry:
-   every touched row, only those parameters) and, for throughput-first's evidence, each row's squared change;
+   shard), parameter by parameter, and, for throughput-first's evidence, notes each row's squared change;
 4. adds the densification statistics (screen-space gradient norms, visibility counts, largest radii) of those rows.
 A row no view touched is not read or written, moments included.
 """
@@ -17,7 +15,7 @@ A row no view touched is not read or written, moments included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -26,17 +24,9 @@ from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
 from odin_ns.scene.block_refine import STATE_KEYS
 
 
-MAY_BE_ZERO = ("features_rest",)
-"""The parameters whose gradient and moments are zero by construction for a while (the SH coefficients above the
-active degree, until it rises): the only ones worth a count to leave out of a message; the others are sent whole
-(a superset is always right: the values sent are the values held)."""
-
-
 @dataclass
 class UpdateResult:
-    rows: torch.Tensor  # [T] owned rows the step touched, ascending (what a publication of the update carries)
-    live: torch.Tensor  # [6] bool: the parameters the update may have changed (some touched row's first moment is
-    # not zero: where it is, Adam's step is zero; the SH coefficients above the active degree stay zero until then)
+    rows: torch.Tensor  # [T] owned rows the step touched, ascending (what the bounds check tests)
     delta_sq: Optional[torch.Tensor]  # [T] float64: squared change of the row's packed parameters (evidence)
 
 
@@ -49,23 +39,15 @@ class OwnerUpdate:
         self.device = device
         self.columns = list(param_columns(num_rest).values())
         self.width = self.columns[-1][1]
-        self._mark = torch.zeros(0, dtype=torch.int32, device=device)
         self._acc: Optional[torch.Tensor] = None  # the sum's buffer (odin_ns.buffers)
         self._place: Optional[torch.Tensor] = None  # each owned row's place among the touched rows
 
-    def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: Optional[torch.Tensor],
+    def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
             optimizers, track: bool, evidence: bool) -> UpdateResult:
-        """`rows`: the owned rows some contribution's view saw (statistics' visible > 0), ascending, where the
-        caller knows them (the splat path does, from its projections); None: found here (a host read)."""
+        """`rows`: the owned rows some contribution's view saw (statistics' visible > 0), ascending (the splat path
+        knows them from its projections, without a host read)."""
         model, width = self.model, self.width
         n_owned = model.gauss_params["means"].shape[0]
-        if rows is None:
-            if self._mark.shape[0] != n_owned:
-                self._mark = torch.zeros(n_owned, dtype=torch.int32, device=self.device)
-            for idx, piece in contributions:
-                self._mark.index_add_(0, idx, (piece[:, width + 1] > 0).to(torch.int32))
-            rows = torch.nonzero(self._mark).flatten()
-            self._mark[rows] = 0
         T = rows.shape[0]
         self._acc = kept_rows(self._acc, T + 1, (width + 4,), torch.float32, self.device)  # sum, largest radius
         acc = self._acc[:T + 1, :width + 3].zero_()
@@ -75,19 +57,16 @@ class OwnerUpdate:
             pos = idx if place is None else place.index_select(0, idx)
             acc.index_add_(0, pos, piece)
             radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
-        live = torch.full((len(PARAM_NAMES),), T > 0, dtype=torch.bool, device=self.device)
         delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if evidence else None
-        for g, (name, (c0, c1)) in enumerate(zip(PARAM_NAMES, self.columns)):
+        for name, (c0, c1) in zip(PARAM_NAMES, self.columns):
             param = model.gauss_params[name]
             grad = acc[:T, c0:c1].reshape((T,) + tuple(param.shape[1:]))
-            before, after, moment = optimizers.optimizers[name].step_rows(rows, grad, keep_before=evidence)
-            if T and name in MAY_BE_ZERO:
-                live[g] = torch.count_nonzero(moment) > 0  # no host read: the publication reads it later
+            before, after, _ = optimizers.optimizers[name].step_rows(rows, grad, keep_before=evidence)
             if T and delta_sq is not None:
                 delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
         if track:
             self._add_statistics(rows, acc[:T], radii[:T], n_owned)
-        return UpdateResult(rows, live, delta_sq)
+        return UpdateResult(rows, delta_sq)
 
     def _places(self, rows: torch.Tensor, n_owned: int) -> torch.Tensor:
         """Each owned row's place among the touched rows (T, the spare row, for an untouched one): a table, one
@@ -109,12 +88,3 @@ class OwnerUpdate:
         state["grad2d"].index_add_(0, rows, acc[:, width])
         state["count"].index_add_(0, rows, acc[:, width + 1])
         state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
-
-
-class Contribution(NamedTuple):
-    """One view's rows for the owners: [M, D + 3] gradients and densification statistics, and [GROUPS] bool: which
-    parameters may have a gradient not zero in the view (what a gradient message must carry; the SH coefficients
-    above the active degree stay zero until they train)."""
-
-    rows: torch.Tensor
-    used: torch.Tensor

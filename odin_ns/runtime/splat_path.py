@@ -33,7 +33,7 @@ import torch
 
 from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
 from odin_ns.runtime.block_table import expand_ranges
-from odin_ns.runtime.splat_reader import WIRE, SplatReader
+from odin_ns.runtime.splat_reader import WIRE, SplatReader, splats_for
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
 
@@ -71,10 +71,10 @@ class SplatPath(SplatReader):
         self.grad_columns = torch.tensor(keep, dtype=torch.int64, device=self.device)
         self.grad_width = len(keep) + (2 if self.absgrad else 0)  # a splat's gradient on the wire
         self.steps: Dict[int, List[StepProjection]] = {}  # step -> the owner's projections read at it
+        self.kept_bytes = self.kept_peak = 0  # the kept projections' rows and splats, now and at most since read
         # step -> the owned rows some view of the step sees (a mark per row while the step's projections are made,
         # then the rows, ascending: what its update touches, known without a host read of its own)
         self.marks: Dict[int, torch.Tensor] = {}
-        self.kept_bytes = self.kept_peak = 0  # the kept projections' rows and splats, now and at most since read
         self.touched: Dict[int, torch.Tensor] = {}
         self.received: Dict[int, Dict[int, Tuple[int, List[int], torch.Tensor]]] = {}  # step -> owner -> (version,
         # per view splat count, splats)
@@ -162,15 +162,12 @@ class SplatPath(SplatReader):
 
     # ---- P: the splats out -----------------------------------------------------------------------------------
 
-    def window(self, update: int) -> range:
-        return range(max(update + 1, self.plan.start), min(update + 2 + self.plan.staleness, self.plan.stop))
-
     def publish(self, update: int, readers: Sequence[int]) -> None:
         """P: to each reader its views' splats of every read that takes version `update`."""
         me, rt, sends = self.env.rank, self.runtime, []
         for q in readers:
             header, parts = [], []
-            for step in self.window(update):
+            for step in self.plan.window(update):
                 mb = len(self.plan.rank_views(step, q))
                 sp = next((s for s in self.steps.get(step, []) if s.update == update and (q, 0) in s.pairs), None)
                 if sp is None:
@@ -210,8 +207,8 @@ class SplatPath(SplatReader):
                 payloads[q] = early[0]
                 posted += [early[1]] if early[1] is not None else []
                 continue
-            n = sum(e - s for pair in order if pair[0] == q for s, e in [where[pair].span(pair)])
-            payloads[q] = torch.empty((n, self.grad_width), dtype=torch.float32, device=self.device)
+            payloads[q] = torch.empty((splats_for(projections, q), self.grad_width), dtype=torch.float32,
+                                      device=self.device)
             fresh.append((q, payloads[q]))
         if payloads and rt.channels is not None:
             posted += rt.channels.batch([], fresh, "transfer", wait=False)
@@ -242,7 +239,7 @@ class SplatPath(SplatReader):
         out = {}
         with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
             for sp in projections:
-                out[id(sp)] = backprop(sp.proj, grads[id(sp)], absgrad[id(sp)]).rows
+                out[id(sp)] = backprop(sp.proj, grads[id(sp)], absgrad[id(sp)])
         result = []
         for pair in order:
             sp = where[pair]

@@ -15,9 +15,16 @@ from typing import List, Sequence, Tuple
 import torch
 
 from odin_ns.render.splats import SPLAT_WIDTH
+from odin_ns.runtime.rank_runtime import OdinRuntimeError
 
 WIRE = SPLAT_WIDTH + 2  # the splat, its radius, its key
 RADIUS, KEY = SPLAT_WIDTH, SPLAT_WIDTH + 1
+
+
+def splats_for(projections: Sequence, reader: int) -> int:
+    """The splats an owner's step projections (`splat_path.StepProjection`) hold for `reader`'s views: the rows of
+    the reader's gradient message to the owner."""
+    return sum(e - s for sp in projections for (q, _), (s, e) in zip(sp.pairs, sp.splat_spans) if q == reader)
 
 
 class SplatReader:
@@ -27,7 +34,7 @@ class SplatReader:
         """Publications (owner, update) off the channels: headers in one batch, one host read, payloads in one
         batch. Returns (the views' counts per step of the window, evidence, payload) per publication."""
         me, plan, rt = self.env.rank, self.plan, self.runtime
-        shapes = [[len(plan.rank_views(t, me)) for t in self.window(u)] for _, u in pubs]
+        shapes = [[len(plan.rank_views(t, me)) for t in plan.window(u)] for _, u in pubs]
         n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
         early = [self.early.pop(("P", u, o), None) for o, u in pubs]
         headers = [e[0] if e is not None else torch.empty(sum(s) + n, dtype=torch.int64, device=self.device)
@@ -62,10 +69,10 @@ class SplatReader:
         where the transport allows it (`Channels.posts_ahead`: gloo)."""
         me, plan, rt = self.env.rank, self.plan, self.runtime
         recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
-        where = {pair: sp for sp in self.steps.get(step, []) for pair in sp.pairs}
+        projections = self.steps.get(step, [])
         for q in plan.readers(step, me):
-            n = sum(e - s for pair in sorted(where) if pair[0] == q for s, e in [where[pair].span(pair)])
-            recvs.append((("G", step, q), q, torch.empty((n, self.grad_width), device=self.device)))
+            recvs.append((("G", step, q), q, torch.empty((splats_for(projections, q), self.grad_width),
+                                                          device=self.device)))
         if plan.contains(step + 1):
             mb = len(plan.rank_views(step + 1, me))
             recvs += [(("P", step, o), o, torch.empty(mb, dtype=torch.int64, device=self.device))
@@ -78,7 +85,7 @@ class SplatReader:
         """Keep a publication's splats for the steps whose read takes its version."""
         counts, _, payload = raw
         start = 0
-        for step, per_view in zip(self.window(update), counts):
+        for step, per_view in zip(self.plan.window(update), counts):
             if per_view and per_view[0] >= 0:
                 n = sum(per_view)
                 self.received.setdefault(step, {})[owner] = (update, per_view, payload[start:start + n])
@@ -87,14 +94,12 @@ class SplatReader:
     def check_read(self, step: int, owner: int, version: int) -> None:
         """The reader decided that its read of `owner` at `step` takes `version`: the owner's replay agrees."""
         if owner == self.env.rank:  # its own read: projected after the update it takes
-            got = next(((s.update,) for s in self.steps.get(step, []) if (owner, 0) in s.pairs), None)
+            got = next((s.update for s in self.steps.get(step, []) if (owner, 0) in s.pairs), None)
         else:
-            got = self.received.get(step, {}).get(owner)
-        if got is None or got[0] != version:
-            from odin_ns.runtime.rank_runtime import OdinRuntimeError
-
+            got = self.received.get(step, {}).get(owner, (None,))[0]
+        if got != version:
             raise OdinRuntimeError(f"step {step}: the read of rank {owner}'s blocks takes version {version}, but "
-                                   f"rank {owner} projected it at {None if got is None else got[0]}")
+                                   f"rank {owner} projected it at {got}")
 
     # ---- R: the reader -----------------------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ import torch
 
 from odin_ns.render.projection import RowCameras
 from odin_ns.render.splats import MEANS2D, project_splats
-from odin_ns.runtime.owner_update import MAY_BE_ZERO, Contribution
 from odin_ns.runtime.sharded import PARAM_NAMES, unpack_params
 
 
@@ -68,9 +67,11 @@ def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], pe
              torch.tensor([[float(c[2]), float(c[3])] for c in cams], device=device))
     if per_call is None:
         per_call = device.type != "cpu"
-    if not per_call or len(cams) <= 1:
-        row_cams = RowCameras(*(t.index_select(0, run_of_row) for t in stack)) if len(cams) > 1 else \
-            RowCameras(*stack)
+    if len(cams) <= 1:
+        return project_rows(packed, num_rest, RowCameras(*stack), sh_degree, antialiased), run_of_row
+    if not per_call:  # a camera per row; its position inverted once per view (the values a row's inversion gives)
+        positions = torch.inverse(stack[0])[:, :3, 3]
+        row_cams = RowCameras(*(t.index_select(0, run_of_row) for t in (*stack, positions)))
         return project_rows(packed, num_rest, row_cams, sh_degree, antialiased), run_of_row
     leaves = _leaves(packed, num_rest)
     ids, radii, splats, sizes, start = [], [], [], [], 0
@@ -85,7 +86,7 @@ def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], pe
     return ViewProjection(leaves, torch.cat(ids), torch.cat(radii), torch.cat(splats), torch.cat(sizes)), run_of_row
 
 
-def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> Contribution:
+def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> torch.Tensor:
     """The view's contribution from its splats' gradients [n, SPLAT_WIDTH] (and absolute screen-space gradients
     [n, 2] when the strategy uses them): the backward through the projection, then the statistics."""
     leaves = view.leaves
@@ -96,17 +97,13 @@ def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.
               for n in PARAM_NAMES]
     width = sum(widths)
     out = torch.empty((m, width + 3), dtype=grads.dtype, device=grads.device)
-    used = torch.ones(len(PARAM_NAMES) + 1, dtype=torch.bool, device=grads.device)  # the statistics travel always
     col = 0
-    for g, (n, w) in enumerate(zip(PARAM_NAMES, widths)):
+    for n, w in zip(PARAM_NAMES, widths):
         grad = leaves[n].grad
         if grad is None:
             out[:, col:col + w] = 0
-            used[g] = False
         else:
             out[:, col:col + w] = grad.reshape(m, w)
-            if n in MAY_BE_ZERO:
-                used[g] = torch.count_nonzero(grad) > 0
         col += w
     g2d = absgrad if absgrad is not None else grads[:, MEANS2D]
     w, h = view.sizes[:, 0], view.sizes[:, 1]
@@ -116,4 +113,4 @@ def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.
     stats[:, 0].index_copy_(0, view.ids, torch.sqrt(gx * gx + gy * gy))
     stats[:, 1].index_fill_(0, view.ids, 1.0)
     stats[:, 2].index_copy_(0, view.ids, view.radii.to(out.dtype) / torch.maximum(w, h))
-    return Contribution(out, used)
+    return out

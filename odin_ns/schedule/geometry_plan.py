@@ -58,12 +58,12 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     order, table = cut_blocks(means, scales, block_size, "kd", ranks)
     counts, lo, hi = table.count, table.lo, table.hi
     V = viewmats.shape[0]
-    cameras = [(viewmats[v:v + 1], Ks[v:v + 1], width, height) for v in range(V)]
-    schedule = view_schedule(view_order, table, cameras.__getitem__, V, ranks, micro_batch, seed)
-    planner = PhasePlanner(ranks, micro_batch, schedule, cameras.__getitem__)
-    plans = [planner.plan(start, min(start + phase_length, steps), table) for start in range(0, steps, phase_length)]
     mask = blocks_in_views(lo, hi, viewmats, Ks, torch.full((V,), width), torch.full((V,), height), table.max_scale,
                            torch.zeros(V), torch.zeros(V), near=NEAR_PLANE) & (counts > 0)[None, :]
+    cameras = [(viewmats[v:v + 1], Ks[v:v + 1], width, height) for v in range(V)]
+    schedule = view_schedule(view_order, lambda: mask, counts, V, ranks, micro_batch, seed)  # one batched test
+    planner = PhasePlanner(ranks, micro_batch, schedule, cameras.__getitem__)
+    plans = [planner.plan(start, min(start + phase_length, steps), table) for start in range(0, steps, phase_length)]
     filled = counts > 0
     diag = float(torch.linalg.norm(hi[filled].amax(0) - lo[filled].amin(0))) or 1.0
     extent = [float(torch.linalg.norm(hi[b] - lo[b])) / diag if filled[b] else 0.0 for b in range(len(counts))]

@@ -99,7 +99,7 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                 if a.kind == "W" and a.peer != r:
                     read_at[(a.step, r, a.peer)] = a.step - 1 - a.stale
         for u in range(plan.start - 1, plan.stop - 1):
-            window[u] = plan._window(u)
+            window[u] = plan.window(u)
     for plan in plans:
         owner = torch.as_tensor(plan.owner)
         for step in range(plan.start, plan.stop):

@@ -3,7 +3,8 @@
 Every rank of a run plans each phase with it (`runtime.engine`), and so do the offline preview (`odin-schedule`,
 `odin-bench predict` on the built-in scenes and the fox: `schedule.preview`) and the prediction from points and
 cameras (`schedule.geometry_plan`): the same views, read sets and lists wherever a plan is made.
-- `view_schedule`: which views every rank renders at every step (nerfstudio's seeded order, or Odin's by region);
+- `view_read_masks`, `view_schedule`: which views every rank renders at every step (nerfstudio's seeded order, or
+  Odin's by region, from each view's read set);
 - `PhaseRules`: where a phase ends (splatfacto's refine schedule, SH degree changes, checkpoints, the end of
   training, the phase length);
 - `motion_bounds`: the rigorous bound on how far selective Adam moves a mean and grows a log-scale in the steps of
@@ -80,17 +81,22 @@ class PhaseRules:
         return stop
 
 
-def view_schedule(view_order: str, table, camera: Callable[[int], tuple], num_views: int, num_ranks: int,
-                  micro_batch: int, seed: int):
+def view_read_masks(table, camera: Callable[[int], tuple], num_views: int) -> torch.Tensor:
+    """[V, B] bool: the blocks of `table` each view's frustum meets (the initial model's read sets, no motion)."""
+    return torch.stack([blocks_in_view(table.lo, table.hi, *camera(v), near=NEAR_PLANE, max_scale=table.max_scale)[0]
+                        for v in range(num_views)])
+
+
+def view_schedule(view_order: str, masks: Callable[[], torch.Tensor], counts: torch.Tensor, num_views: int,
+                  num_ranks: int, micro_batch: int, seed: int):
     """nerfstudio's seeded random order ("random"), or Odin's ("odin": each view to the rank whose share of the
-    blocks holds most of what it reads, from each view's read set in `table` and its cost)."""
+    blocks holds most of what it reads, from each view's read set, `masks()` ([V, B], asked only for Odin's), and
+    its cost in Gaussians, `counts` per block)."""
     if view_order == "random":
         return ViewSchedule(num_views=num_views, num_ranks=num_ranks, micro_batch=micro_batch, seed=seed)
     if view_order != "odin":
         raise ValueError(f"unknown view order {view_order!r} (odin or random)")
-    masks = [blocks_in_view(table.lo, table.hi, *camera(v), near=NEAR_PLANE, max_scale=table.max_scale)[0]
-             for v in range(num_views)]
-    return odin_schedule(torch.stack(masks), table.count, num_ranks, micro_batch, seed)
+    return odin_schedule(masks(), counts, num_ranks, micro_batch, seed)
 
 
 def motion_bounds(optimizers, params, steps: int, done: Optional[int] = None) -> Tuple[List[float], List[float]]:

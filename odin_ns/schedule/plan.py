@@ -125,7 +125,7 @@ class PhasePlan:
 
     # ---- publications and the schedule's admission (throughput-first) ----------------------------------
 
-    def _window(self, update: int) -> range:
+    def window(self, update: int) -> range:
         """Steps whose reads the publication of `update` serves: update+1 .. update+1+staleness, in the phase."""
         return range(max(update + 1, self.start), min(update + 2 + self.staleness, self.stop))
 
@@ -133,14 +133,14 @@ class PhasePlan:
         """Ranks `owner` publishes update `update` to (start-1: the phase-start state), ascending."""
         key = ("readers", update, owner)
         if key not in self._memo:
-            self._memo[key] = sorted({q for t in self._window(update) for q in self.readers(t, owner)})
+            self._memo[key] = sorted({q for t in self.window(update) for q in self.readers(t, owner)})
         return self._memo[key]
 
     def pub_blocks(self, update: int, owner: int, reader: int) -> List[int]:
         """Blocks of `owner` in its publication of `update` to `reader`: those `reader` reads in the window."""
         key = ("blocks", update, owner, reader)
         if key not in self._memo:
-            self._memo[key] = sorted({b for t in self._window(update) for b in self.publish_blocks(t, owner, reader)})
+            self._memo[key] = sorted({b for t in self.window(update) for b in self.publish_blocks(t, owner, reader)})
         return self._memo[key]
 
     def overlap(self, step: int, reader: int, owner: int, k: int) -> float:

@@ -19,8 +19,7 @@ from nerfstudio.engine.optimizers import Optimizers
 
 from odin_ns.render.viewmat import view_projection
 from odin_ns.runtime.block_table import cut_blocks
-from odin_ns.scene.read_sets import blocks_in_view
-from odin_ns.schedule.phase_planner import NEAR_PLANE, PhasePlanner, PhaseRules, motion_bounds, view_schedule
+from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
 
@@ -79,8 +78,9 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     downscale = model._get_downscale_factor()
     cameras = datamanager.train_dataset.cameras
     projections = [view_projection(cameras[v:v + 1], downscale) for v in range(len(datamanager.train_dataset))]
-    schedule = view_schedule(pipe.view_order, table, projections.__getitem__, len(projections), ranks,
-                             pipe.micro_batch, datamanager.config.train_cameras_sampling_seed)
+    masks = view_read_masks(table, projections.__getitem__, len(projections))  # as a rank's view order reads them
+    schedule = view_schedule(pipe.view_order, lambda: masks, table.count, len(projections), ranks, pipe.micro_batch,
+                             datamanager.config.train_cameras_sampling_seed)
     # as a rank plans (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
     rules = PhaseRules.of_model(model, pipe.phase_length)
     rules.end_step, rules.save_every = first_step + steps, config.steps_per_save
@@ -95,12 +95,8 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
         plans.append(planner.plan(start, stop, table, *motion_bounds(optimizers, model.gauss_params, stop - start,
                                                                      done=start)))
         start = stop
-    gaussians, pixels = [], []
-    for viewmat, K, W, H in projections:
-        mask = blocks_in_view(table.lo, table.hi, viewmat, K, W, H, near=NEAR_PLANE,
-                              max_scale=table.max_scale)[0] & (table.count > 0)
-        gaussians.append(float(table.count[mask].sum()))
-        pixels.append(W * H)
+    gaussians = [float(table.count[m & (table.count > 0)].sum()) for m in masks]
+    pixels = [W * H for _, _, W, H in projections]
     filled = table.count > 0
     scene = (table.lo[filled].amin(0), table.hi[filled].amax(0))
     scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
