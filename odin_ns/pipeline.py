@@ -75,6 +75,13 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     while a peer's gradients are late, and updates after that render; nothing competes with the renders for a
     core), or on a thread beside the renders (the update is published while the next render runs). auto: inline
     on CPU ranks, a thread on GPUs. Every choice gives the same model bit for bit."""
+    projection_memory: Literal["auto", "keep", "recompute"] = "auto"
+    """What an owner holds of its projections for its readers between publishing their splats and its update:
+    keep (the projection's graph: about twice the projected rows' parameters, more than the owned rows with their
+    moments when every view reads most of them) or recompute (the splats only; the update projects again with a
+    graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: recompute
+    on GPUs (a projection is a small part of a step there, memory what bounds the scene), keep on CPU ranks (the
+    projection is about a third of a render there). Every choice gives the same model bit for bit."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
@@ -162,7 +169,7 @@ class OdinPipeline(VanillaPipeline):
                                      phase_length=config.phase_length, view_order=config.view_order,
                                      block_cut=config.block_cut, max_staleness=config.max_staleness,
                                      admit_overlap=config.admit_overlap, admit_update=config.admit_update,
-                                     lane=config.lane)
+                                     lane=config.lane, projection_memory=config.projection_memory)
             if env.distributed and env.rank == 0:  # the viewer's Odin panel (rank 0 serves the viewer)
                 attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
         self.viewer_model = None  # rank 0 of several: the viewer's copy of the model (see OdinModel.show_snapshot)

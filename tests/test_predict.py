@@ -159,3 +159,23 @@ def test_the_lanes_publications_carry_each_read_behind_once():
         lane, now = published(stale, sender), published(exact, sender)
         assert sum(lane.values()) == pytest.approx(sum(now.values()))  # the same splats, other messages
         assert lane != pytest.approx(now)
+
+
+def test_the_predicted_peak_holds_owned_rows_messages_and_the_largest_pair_graph():
+    """A rank's predicted peak: its owned rows with Adam's moments, the step's messages, and the graph of the
+    largest (view, its rows) pair it projects again at its update, at the step where their sum is largest."""
+    from odin_ns.cli.bench_predict import GRAPH_ROW_BYTES, ROW_BYTES, peak_bytes
+    from odin_ns.schedule.plan import PhasePlan
+
+    class NoMessages:  # prices every message at zero bytes: what is left is rows and graphs
+        @staticmethod
+        def message_bytes(rank, action):
+            return 0.0
+
+    # blocks 0, 1 of rank 0 (100 and 40 rows), block 2 of rank 1 (70); a view of rank 1 reads blocks 0 and 1
+    # at step 1 (140 of rank 0's rows: its largest pair), the others read fewer
+    plan = PhasePlan(start=0, stop=2, num_ranks=2, owner=[0, 0, 1], views=[[[0], [1]], [[2], [3]]],
+                     reads=[[[[0]], [[2]]], [[[2]], [[0, 1, 2]]]], counts=[100, 40, 70])
+    peak = peak_bytes([plan], NoMessages(), scale=2.0)
+    assert peak[0] == 2.0 * (3 * ROW_BYTES * 140 + GRAPH_ROW_BYTES * 140)
+    assert peak[1] == 2.0 * (3 * ROW_BYTES * 70 + GRAPH_ROW_BYTES * 70)

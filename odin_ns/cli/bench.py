@@ -257,11 +257,11 @@ def print_table(rows: List[Dict], title: str) -> None:
           "place of the main thread's work. 'B/pair': bytes sent per visible (view, remote Gaussian) pair, to the "
           "readers / back to the owners. 'resident': per rank, the largest share of the model it owned at a step (no "
           "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the step's messages) "
-          "and their share of one process's (every row with Adam's moments), in brackets the MB its kept "
-          "projections held at most (the projected rows' copies their backward reads). 'stale/refused': "
-          "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall "
-          "the replay of the run's own lists with its measured costs predicts (odin-schedule --costs), and its "
-          "error.")
+          "and their share of one process's (every row with Adam's moments), in brackets the MB its projections "
+          "for its readers held at most (their graphs; with --pipeline.projection-memory recompute their splats and "
+          "a pair's graph at the update). 'stale/refused': block reads admitted behind the newest version, and "
+          "refused (waited for). 'replayed wall': the wall the replay of the run's own lists with its measured costs "
+          "predicts (odin-schedule --costs), and its error.")
 
 
 def train_main(argv: List[str]) -> int:

@@ -101,12 +101,19 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
 
 
 ROW_BYTES = 4 * 59  # a Gaussian's packed parameters at SH degree 3 (Adam's two moments hold the same again twice)
+# What the graph of one projected row holds on a GPU while an owner back-propagates a pair's splat gradients
+# (`--pipeline.projection-memory recompute`, the GPUs' default): its parameters' copy (the leaves, 59 floats), the
+# SH coefficients gsplat's `spherical_harmonics` saves (16 x 3) and its directions (3), and what
+# `fully_fused_projection` saves beside its inputs (radii 2, conic 3, compensation 1): by reading gsplat's autograd
+# functions, not measured (no GPU here).
+GRAPH_ROW_BYTES = 4 * (59 + 48 + 3 + 6)
 
 
 def peak_bytes(plans, costs, scale: float) -> List[float]:
     """Per rank, the most bytes it holds at a step of the replay: its owned rows with Adam's two moments, plus the
-    step's messages it sends and receives (as the data path prices them). On the splat path nothing else: no rank
-    holds another rank's rows."""
+    step's messages it sends and receives (as the data path prices them), plus the graph of the largest pair
+    (reader's view, this rank's rows it reads) it projects again at its update. On the splat path nothing else: no
+    rank holds another rank's rows."""
     R = plans[0].num_ranks
     peak = [0.0] * R
     for plan in plans:
@@ -114,14 +121,25 @@ def peak_bytes(plans, costs, scale: float) -> List[float]:
         for o, n in zip(plan.owner, plan.counts):
             owned[o] += n
         messages: Dict = {}
+        graph: Dict = {}
         for r in range(R):
             for a in plan.actions(r):
                 if a.kind in ("P", "G"):
                     size = costs.message_bytes(r, a)
                     for who in (r, a.peer):
                         messages[(a.step, who)] = messages.get((a.step, who), 0.0) + size
+        for i, per_rank in enumerate(plan.reads):
+            for views in per_rank:
+                for blocks in views:
+                    rows = [0.0] * R
+                    for b in blocks:
+                        rows[plan.owner[b]] += plan.counts[b]
+                    for o in range(R):
+                        key = (plan.start + i, o)
+                        graph[key] = max(graph.get(key, 0.0), GRAPH_ROW_BYTES * scale * rows[o])
         for r in range(R):
-            most = max((v for (_, who), v in messages.items() if who == r), default=0.0)
+            most = max((messages.get((step, r), 0.0) + graph.get((step, r), 0.0)
+                        for step in range(plan.start, plan.stop)), default=0.0)
             peak[r] = max(peak[r], 3 * ROW_BYTES * scale * owned[r] + most)
     return peak
 
@@ -162,7 +180,8 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
                           f"({r['peak_bytes_per_rank'] / r['one_gpu_bytes']:.0%})")
     Console(width=180).print(table)
     print("peak GB/rank: the most a rank of odin-barrier holds at a step of the replay (owned rows with Adam's "
-          "moments and the step's messages), and its share of one GPU holding the whole model with its moments.")
+          "moments, the step's messages, the graph of the largest pair it projects again at its update), and its "
+          "share of one GPU holding the whole model with its moments.")
     if any(r["ranks"] == 1 for r in rows):
         print(f"vs 1 GPU: views/s over the same scene replayed on one rank; the recipe counts views, so this is the "
               f"speed-up in time to the same training. {PEERS}.")

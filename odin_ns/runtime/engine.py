@@ -56,7 +56,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
     def __init__(self, env: DistEnv, model, datamanager, block_size: int, micro_batch: int, seed: int,
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
-                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto"):
+                 admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto",
+                 projection_memory: str = "auto"):
         self.env = env
         self.policy = POLICIES[policy]
         # reads may be behind (alone, every policy is plain training: nothing to be behind of)
@@ -65,6 +66,9 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         self.admit_update = admit_update
         # throughput-first: where its communication lane runs (runtime/lane.py)
         self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
+        # what an owner holds of its projections until its update (runtime/splat_path.py)
+        self.recompute = projection_memory == "recompute" or (projection_memory == "auto"
+                                                              and torch.device(model.device).type != "cpu")
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
         self._store = (dist.distributed_c10d._get_default_store() if env.distributed and dist.is_initialized()
                        else None)
@@ -141,7 +145,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
             self.p2p_group = dist.new_group()
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
-        self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows, self.ops)
+        self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows, self.ops,
+                                recompute=self.recompute)
         self.runtime.splats = self.splats
         self.plan = None
 

@@ -5,7 +5,10 @@ The actions keep their meaning and their lists; what travels is splats:
   of its blocks for every read that takes version u: at the exact policies every view of step u+1 that reads them
   (its own views' and its readers'); at throughput-first also the reads of steps u+2 .. u+1+staleness that its
   readers admit behind at u, as the owner replays their decisions (`RankRuntime.decide_reads`: the same rule and
-  the same evidence the readers decide with). It keeps the projection's graph until the step's update;
+  the same evidence the readers decide with). It keeps the projection's graph until the step's update, or, with
+  `recompute` (`--pipeline.projection-memory`), only the splats: U projects again with a graph, a pair at a time,
+  from the rows then current if the read took the version U follows (every read at the exact policies), else from
+  a copy of the rows the read took (throughput-first's reads behind), and the same values come out;
 - P (owner -> reader, after update u): a header (per step of the publication's window and view of the reader: the
   splat count of the view if the read takes version u, else -1; throughput-first adds its evidence, each block's
   last update size), then one float32 payload of `WIRE` columns per splat: the splat (10 numbers), its radius and
@@ -27,7 +30,7 @@ the splats and kept projections in flight.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +50,8 @@ class StepProjection(NamedTuple):
     row_spans: List[Tuple[int, int]]  # per pair, its projected rows
     splat_spans: List[Tuple[int, int]]  # per pair, its visible splats
     keys: torch.Tensor  # [n] each visible splat's key
+    again: Optional[tuple]  # to project again at U (no graph kept): (per pair its camera, the SH degree, the rows'
+    # parameters as the read took them, None if U's current ones)
 
     def span(self, pair: Tuple[int, int]) -> Tuple[int, int]:
         return self.splat_spans[self.pairs.index(pair)]
@@ -57,11 +62,12 @@ class SplatPath(SplatReader):
     view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `packed_rows(rows)` the owned rows'
     current packed parameters; `runtime` the rank's `RankRuntime` (its plan, channels, evidence and decisions)."""
 
-    def __init__(self, runtime, model, num_rest: int, camera, packed_rows, ops) -> None:
+    def __init__(self, runtime, model, num_rest: int, camera, packed_rows, ops, recompute: bool = False) -> None:
         self.runtime, self.model = runtime, model
         self.env, self.log, self.device = runtime.env, runtime.log, runtime.device
         self.ops = ops  # the runtime's operation count (odin-bench scale): an owner's projection is render work
         self.num_rest = num_rest
+        self.recompute = recompute  # keep only the splats of a projection; U projects again with a graph
         self.camera = camera
         self.packed_rows = packed_rows
         self.absgrad = bool(model.strategy.absgrad)
@@ -71,7 +77,7 @@ class SplatPath(SplatReader):
         self.grad_columns = torch.tensor(keep, dtype=torch.int64, device=self.device)
         self.grad_width = len(keep) + (2 if self.absgrad else 0)  # a splat's gradient on the wire
         self.steps: Dict[int, List[StepProjection]] = {}  # step -> the owner's projections read at it
-        self.kept_bytes = self.kept_peak = 0  # the kept projections' rows and splats, now and at most since read
+        self.kept_bytes = self.kept_peak = 0  # what the kept projections hold, now and at most since read
         # step -> the owned rows some view of the step sees (a mark per row while the step's projections are made,
         # then the rows, ascending: what its update touches, known without a host read of its own)
         self.marks: Dict[int, torch.Tensor] = {}
@@ -144,8 +150,11 @@ class SplatPath(SplatReader):
         rows = expand_ranges(self.home_start[block_ids], counts, total).to(self.device)
         keys = expand_ranges(self.global_start[block_ids], counts, total).to(self.device)
         cams = [self.camera(step, plan.rank_views(step, q)[j]) for q, j in pairs]
-        proj, pair_of_row = project_views(self.packed_rows(rows), self.num_rest, cams, per_pair,
-                                          self.model.sh_degree_at(step), self.antialiased)
+        packed, sh_degree = self.packed_rows(rows), self.model.sh_degree_at(step)
+        proj, pair_of_row = project_views(packed, self.num_rest, cams, per_pair, sh_degree, self.antialiased,
+                                          keep_graph=not self.recompute)
+        # U follows update step-1: a read of that version projects again from the rows then current
+        again = (cams, sh_degree, None if update == step - 1 else packed) if self.recompute else None
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
         mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
         seen = torch.bincount(pair_of_row.index_select(0, proj.ids), minlength=len(pairs))
@@ -155,10 +164,31 @@ class SplatPath(SplatReader):
         if final:
             self._touched(step, seen.pop())
         splat_starts = [sum(seen[:k]) for k in range(len(pairs))]
-        self.kept_bytes += _kept_bytes(proj)
+        sp = StepProjection(update, proj, pairs, rows, [(a, a + n) for a, n in zip(starts, per_pair)],
+                            [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids), again)
+        self.kept_bytes += _kept_bytes(sp)
         self.kept_peak = max(self.kept_peak, self.kept_bytes)
-        return StepProjection(update, proj, pairs, rows, [(a, a + n) for a, n in zip(starts, per_pair)],
-                              [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids))
+        return sp
+
+    def _backprop_again(self, sp: StepProjection, grads: torch.Tensor, absgrad) -> torch.Tensor:
+        """U's backward of a projection kept without its graph: each pair's rows projected again, with a graph,
+        and back-propagated at once (a pair's graph at a time: a row's projection and its gradient do not depend on
+        which rows share the call), into the contributions [M, D + 3] a kept graph gives."""
+        cams, sh_degree, packed = sp.again
+        parts = []
+        for k, ((a, b), (sa, sb)) in enumerate(zip(sp.row_spans, sp.splat_spans)):
+            rows = self.packed_rows(sp.rows[a:b]) if packed is None else packed[a:b]
+            if b == a:  # a view that reads none of this rank's rows
+                parts.append(rows.new_zeros((0, rows.shape[1] + 3)))
+                continue
+            proj, _ = project_views(rows, self.num_rest, cams[k:k + 1], [b - a], sh_degree, self.antialiased)
+            if proj.splats.shape[0] != sb - sa:
+                raise RuntimeError(f"a projection of version {sp.update} made again at its update has "
+                                   f"{proj.splats.shape[0]} splats where the first had {sb - sa}: its rows changed "
+                                   "between the projection and the update")
+            self.kept_peak = max(self.kept_peak, self.kept_bytes + proj.graph_bytes)
+            parts.append(backprop(proj, grads[sa:sb], None if absgrad is None else absgrad[sa:sb]))
+        return torch.cat(parts)
 
     # ---- P: the splats out -----------------------------------------------------------------------------------
 
@@ -196,7 +226,7 @@ class SplatPath(SplatReader):
         (owned row indices, rows); and the owned rows some view saw (ascending)."""
         me, rt = self.env.rank, self.runtime
         projections = self.steps.pop(step, [])
-        self.kept_bytes -= sum(_kept_bytes(sp.proj) for sp in projections)
+        self.kept_bytes -= sum(_kept_bytes(sp) for sp in projections)
         where = {pair: sp for sp in projections for pair in sp.pairs}
         order = sorted(where)  # the reference order: rank, then view
         cols = self.grad_columns.shape[0]
@@ -239,7 +269,8 @@ class SplatPath(SplatReader):
         out = {}
         with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
             for sp in projections:
-                out[id(sp)] = backprop(sp.proj, grads[id(sp)], absgrad[id(sp)])
+                out[id(sp)] = (backprop(sp.proj, grads[id(sp)], absgrad[id(sp)]) if sp.again is None else
+                               self._backprop_again(sp, grads[id(sp)], absgrad[id(sp)]))
         result = []
         for pair in order:
             sp = where[pair]
@@ -256,11 +287,14 @@ class SplatPath(SplatReader):
         self.received.pop(step, None)
         self.grads_out.pop(step, None)
         self.own_grads.pop(step, None)
-        self.kept_bytes -= sum(_kept_bytes(sp.proj) for sp in self.steps.pop(step, []))
+        self.kept_bytes -= sum(_kept_bytes(sp) for sp in self.steps.pop(step, []))
         self.marks.pop(step, None)
         self.touched.pop(step, None)
 
 
-def _kept_bytes(proj: ViewProjection) -> int:
-    """A kept projection's leaves (the projected rows' parameters) and splats, in bytes."""
-    return sum(t.numel() * t.element_size() for t in (*proj.leaves.values(), proj.splats))
+def _kept_bytes(sp: StepProjection) -> int:
+    """What a kept projection holds until its update, in bytes: its graph (leaves and saved tensors) or the copy
+    of the rows it was made from, its splats, radii and keys."""
+    copy = sp.again[2] if sp.again is not None and sp.again[2] is not None else None
+    held = [sp.proj.splats, sp.proj.radii, sp.keys] + ([copy] if copy is not None else [])
+    return sp.proj.graph_bytes + sum(t.numel() * t.element_size() for t in held)

@@ -1,7 +1,10 @@
 """A view's projection of some Gaussians, and the backward of its splats' gradients through it.
 
 An owner projects the rows of its blocks that views read (its own views and its readers', in one call for a step),
-keeps the graph, and turns the splats' gradients into each view's contribution when they come back. The projection
+and turns the splats' gradients into each view's contribution when they come back: through the graph it kept, or
+through the same projection made again with a graph (`keep_graph=False` the first time; a graph holds about as
+much as the projected rows' parameters twice over, more than the owned rows with their moments when every view
+reads most of them). The projection
 of a Gaussian does not depend on which others share the call (render/projection.py), so the contributions are the
 same, bit for bit, whatever the rank count and whichever views share a call.
 
@@ -12,6 +15,7 @@ scaled by half the image size, visible 0/1, the radius over the larger image sid
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -24,24 +28,57 @@ from odin_ns.runtime.sharded import PARAM_NAMES, unpack_params
 class ViewProjection(NamedTuple):
     """What an owner keeps of a view's projection until the splats' gradients come back."""
 
-    leaves: Dict[str, torch.Tensor]  # [M, ...] the rows' parameters (autograd leaves)
+    leaves: Dict[str, torch.Tensor]  # [M, ...] the rows' parameters (autograd leaves; empty without a graph)
     ids: torch.Tensor  # [n] which of the M rows are visible (ascending)
     radii: torch.Tensor  # [n] int32
-    splats: torch.Tensor  # [n, SPLAT_WIDTH], the graph back to the leaves
+    splats: torch.Tensor  # [n, SPLAT_WIDTH], the graph back to the leaves (if kept)
     sizes: torch.Tensor  # [n or 1, 2] the image size (width, height) of each splat's view
+    graph_bytes: int  # what the graph holds: its leaves and the tensors its backward reads (distinct storages)
 
 
 def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree: Optional[int],
-                 antialiased: bool) -> ViewProjection:
+                 antialiased: bool, keep_graph: bool = True) -> ViewProjection:
     """Project packed rows [M, D] (a copy is made: the leaves), each in its camera (one for all rows, or one per
     row: an owner projects for every view that reads its blocks at a step in one call)."""
-    leaves = _leaves(rows, num_rest)
-    ids, radii, splats = _project(leaves, cams, sh_degree, antialiased)
-    return ViewProjection(leaves, ids, radii, splats, cams.rows(ids).sizes.to(splats.dtype))
+    with _graph(keep_graph) as held:
+        leaves = _leaves(rows, num_rest, keep_graph)
+        ids, radii, splats = _project(leaves, cams, sh_degree, antialiased)
+    return ViewProjection(leaves if keep_graph else {}, ids, radii, splats, cams.rows(ids).sizes.to(splats.dtype),
+                          held.total(leaves) if keep_graph else 0)
 
 
-def _leaves(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:
-    return {n: t.clone().requires_grad_() for n, t in unpack_params(rows, num_rest).items()}
+def _leaves(rows: torch.Tensor, num_rest: int, keep_graph: bool = True) -> Dict[str, torch.Tensor]:
+    params = unpack_params(rows, num_rest)
+    return {n: t.clone().requires_grad_() for n, t in params.items()} if keep_graph else params
+
+
+class _Held:
+    """The distinct storages a graph saves for its backward, counted as it is built (a saved-tensors hook)."""
+
+    def __init__(self) -> None:
+        self.storages: Dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def total(self, leaves: Dict[str, torch.Tensor]) -> int:
+        for t in leaves.values():
+            self.pack(t)
+        return sum(self.storages.values())
+
+
+@contextlib.contextmanager
+def _graph(keep: bool):
+    """A projection with its graph (what it saves counted) or without one (no autograd at all)."""
+    held = _Held()
+    if keep:
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda t: t):
+            yield held
+    else:
+        with torch.no_grad():
+            yield held
 
 
 def _project(params: Dict[str, torch.Tensor], cams: RowCameras, sh_degree: Optional[int], antialiased: bool):
@@ -53,12 +90,13 @@ def _project(params: Dict[str, torch.Tensor], cams: RowCameras, sh_degree: Optio
 
 
 def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], per_view: Sequence[int],
-                  sh_degree: Optional[int], antialiased: bool, per_call: Optional[bool] = None
-                  ) -> Tuple[ViewProjection, torch.Tensor]:
+                  sh_degree: Optional[int], antialiased: bool, per_call: Optional[bool] = None,
+                  keep_graph: bool = True) -> Tuple[ViewProjection, torch.Tensor]:
     """Project packed rows [M, D] that are consecutive runs of `per_view[k]` rows, each run in camera `cams[k]`
     ((viewmat [4, 4], K [3, 3], W, H)), as one projection; and each row's run. On the CPU one call with a camera
     per row; on CUDA (or with `per_call`) gsplat's kernels take one camera for all rows: one call per view, on
-    slices of the same leaves (so every parameter's gradient reaches them), concatenated."""
+    slices of the same leaves (so every parameter's gradient reaches them), concatenated. `keep_graph=False`:
+    the splats only (the same values), for a projection made again with its graph before its backward."""
     device = packed.device
     total = sum(per_view)
     run_of_row = torch.repeat_interleave(torch.arange(len(per_view)), torch.tensor(list(per_view), dtype=torch.int64),
@@ -68,22 +106,26 @@ def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], pe
     if per_call is None:
         per_call = device.type != "cpu"
     if len(cams) <= 1:
-        return project_rows(packed, num_rest, RowCameras(*stack), sh_degree, antialiased), run_of_row
+        return project_rows(packed, num_rest, RowCameras(*stack), sh_degree, antialiased, keep_graph), run_of_row
     if not per_call:  # a camera per row; its position inverted once per view (the values a row's inversion gives)
         positions = torch.inverse(stack[0])[:, :3, 3]
         row_cams = RowCameras(*(t.index_select(0, run_of_row) for t in (*stack, positions)))
-        return project_rows(packed, num_rest, row_cams, sh_degree, antialiased), run_of_row
-    leaves = _leaves(packed, num_rest)
+        return project_rows(packed, num_rest, row_cams, sh_degree, antialiased, keep_graph), run_of_row
     ids, radii, splats, sizes, start = [], [], [], [], 0
-    for k, n in enumerate(per_view):
-        cam = RowCameras(stack[0][k:k + 1], stack[1][k:k + 1], stack[2][k:k + 1])
-        i, r, s = _project({name: t[start:start + n] for name, t in leaves.items()}, cam, sh_degree, antialiased)
-        ids.append(i + start)
-        radii.append(r)
-        splats.append(s)
-        sizes.append(stack[2][k:k + 1].to(s.dtype).expand(i.shape[0], 2))
-        start += n
-    return ViewProjection(leaves, torch.cat(ids), torch.cat(radii), torch.cat(splats), torch.cat(sizes)), run_of_row
+    with _graph(keep_graph) as held:
+        leaves = _leaves(packed, num_rest, keep_graph)
+        for k, n in enumerate(per_view):
+            cam = RowCameras(stack[0][k:k + 1], stack[1][k:k + 1], stack[2][k:k + 1])
+            i, r, s = _project({name: t[start:start + n] for name, t in leaves.items()}, cam, sh_degree,
+                               antialiased)
+            ids.append(i + start)
+            radii.append(r)
+            splats.append(s)
+            sizes.append(stack[2][k:k + 1].to(s.dtype).expand(i.shape[0], 2))
+            start += n
+        splats = torch.cat(splats)
+    return ViewProjection(leaves if keep_graph else {}, torch.cat(ids), torch.cat(radii), splats, torch.cat(sizes),
+                          held.total(leaves) if keep_graph else 0), run_of_row
 
 
 def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> torch.Tensor:

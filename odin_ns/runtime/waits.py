@@ -46,8 +46,9 @@ class StepRecord:
     # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the step's message
     # buffers (sent and received); no rank holds another rank's rows
     resident_bytes: int = 0
-    # the most the owner's kept projections held in the step (the projected rows' copies its backward reads, and
-    # their splats): not in resident_bytes, which counts what the targets name (parameters, moments, messages)
+    # the most the owner's projections held in the step (each kept graph: its leaves and the tensors its backward
+    # reads; or, projected again at the update, the splats and one pair's graph; a read behind's copy of its rows):
+    # not in resident_bytes, which counts what the targets name (parameters, moments, messages)
     projection_bytes: int = 0
     row_bytes: int = 0  # bytes of one Gaussian's packed parameters (one process holds 3x that per Gaussian with Adam)
     gaussians_owned: int = 0
