@@ -145,8 +145,8 @@ def test_a_projection_of_several_views_gives_every_parameter_its_gradient_in_one
     for per_call in (False, True):
         proj, run = project_views(packed, 15, cams, [300, 300], 3, True, per_call=per_call)
         grads = torch.rand(proj.splats.shape, generator=torch.Generator().manual_seed(7))
-        absgrad = torch.rand((proj.splats.shape[0], 2), generator=torch.Generator().manual_seed(8))
-        out.append((proj.ids, proj.radii, proj.splats.detach(), run, backprop(proj, grads, absgrad)))
+        norm2d = torch.rand(proj.splats.shape[0], generator=torch.Generator().manual_seed(8))
+        out.append((proj.ids, proj.radii, proj.splats.detach(), run, backprop(proj, grads, norm2d)))
     (ids, radii, splats, run, one), (ids2, radii2, splats2, run2, each) = out
     assert torch.equal(ids, ids2) and torch.equal(radii, radii2) and torch.equal(splats, splats2)
     assert torch.equal(run, run2) and int((radii > 0).sum()) > 100

@@ -17,8 +17,10 @@ The actions keep their meaning and their lists; what travels is splats:
   and keeps each step's splats; R renders each view from its own splats and the received ones sorted by key, the
   order one process renders in, and back-propagates to every splat;
 - G (reader -> owner): the gradients of the owner's splats, in the order they came: 2-D mean, conic, opacity and
-  colour (the depth too when the render uses it), and the absolute screen-space gradient when the strategy uses
-  it (splatfacto's default): 11 numbers, 44 bytes; one payload whose size both sides know, no header;
+  colour (the depth too when the render uses it), and, when the strategy uses absolute screen-space gradients
+  (splatfacto's default), the densification statistic the reader computes from them (their scaled norm, one
+  number where the two gradients would be two): 10 numbers, 40 bytes; one payload whose size both sides know, no
+  header;
 - U (owner): one backward of the splat gradients through each projection of the step (one per version read), then
   each view's contribution in the reference order (rank, then view) to the owners' update.
 The reader's side (W, R's splats, G) is `runtime.splat_reader`; the projection of a step's views in one call is
@@ -75,7 +77,8 @@ class SplatPath(SplatReader):
         # the splat columns whose gradient travels back: the depth's only when the render uses it (expected depth)
         keep = [c for c in range(SPLAT_WIDTH) if c != DEPTH or model.training_render_mode() != "RGB"]
         self.grad_columns = torch.tensor(keep, dtype=torch.int64, device=self.device)
-        self.grad_width = len(keep) + (2 if self.absgrad else 0)  # a splat's gradient on the wire
+        self.grad_width = len(keep) + (1 if self.absgrad else 0)  # a splat's gradient on the wire (with absolute
+        # gradients, their statistic: `view_projection.screen_grad_norm`)
         self.steps: Dict[int, List[StepProjection]] = {}  # step -> the owner's projections read at it
         self.kept_bytes = self.kept_peak = 0  # what the kept projections hold, now and at most since read
         # step -> the owned rows some view of the step sees (a mark per row while the step's projections are made,
@@ -88,7 +91,7 @@ class SplatPath(SplatReader):
         # receives posted before they are needed (exact policies): ("P", update, owner) -> a publication's header,
         # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
         self.early: Dict[Tuple[str, int, int], Tuple[torch.Tensor, object]] = {}
-        self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, absgrad)
+        self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, norm2d)
 
     def begin(self, plan, table, home_start: torch.Tensor) -> None:
         """A phase's arrays: each block's first row at its owner and in the whole model's block order."""
@@ -170,7 +173,7 @@ class SplatPath(SplatReader):
         self.kept_peak = max(self.kept_peak, self.kept_bytes)
         return sp
 
-    def _backprop_again(self, sp: StepProjection, grads: torch.Tensor, absgrad) -> torch.Tensor:
+    def _backprop_again(self, sp: StepProjection, grads: torch.Tensor, norm2d) -> torch.Tensor:
         """U's backward of a projection kept without its graph: each pair's rows projected again, with a graph,
         and back-propagated at once (a pair's graph at a time: a row's projection and its gradient do not depend on
         which rows share the call), into the contributions [M, D + 3] a kept graph gives."""
@@ -187,7 +190,7 @@ class SplatPath(SplatReader):
                                    f"{proj.splats.shape[0]} splats where the first had {sb - sa}: its rows changed "
                                    "between the projection and the update")
             self.kept_peak = max(self.kept_peak, self.kept_bytes + proj.graph_bytes)
-            parts.append(backprop(proj, grads[sa:sb], None if absgrad is None else absgrad[sa:sb]))
+            parts.append(backprop(proj, grads[sa:sb], None if norm2d is None else norm2d[sa:sb]))
         return torch.cat(parts)
 
     # ---- P: the splats out -----------------------------------------------------------------------------------
@@ -247,30 +250,30 @@ class SplatPath(SplatReader):
                 rt.channels.note("G", step, q, "recv")
         grads = {id(sp): torch.zeros((sp.proj.splats.shape[0], SPLAT_WIDTH), device=self.device)
                  for sp in projections}
-        absgrad = {id(sp): torch.zeros((sp.proj.splats.shape[0], 2), device=self.device) if self.absgrad else None
-                   for sp in projections}
+        norm2d = {id(sp): torch.zeros(sp.proj.splats.shape[0], device=self.device) if self.absgrad else None
+                  for sp in projections}
         own = self.own_grads.pop(step, {})
         offsets = dict.fromkeys(payloads, 0)
         for q, j in order:
             sp = where[(q, j)]
             a, b = sp.span((q, j))
-            g, ab = grads[id(sp)], absgrad[id(sp)]
+            g, nm = grads[id(sp)], norm2d[id(sp)]
             if q == me:
-                g[a:b], part_abs = own[j]
-                if ab is not None:
-                    ab[a:b] = part_abs
+                g[a:b], part_norm = own[j]
+                if nm is not None:
+                    nm[a:b] = part_norm
             else:
                 k = offsets[q]
                 wire = payloads[q][k:k + b - a]
                 offsets[q] = k + b - a
                 g[a:b, self.grad_columns] = wire[:, :cols]  # the columns that did not travel stay zero
-                if ab is not None:
-                    ab[a:b] = wire[:, cols:]
+                if nm is not None:
+                    nm[a:b] = wire[:, cols]
         out = {}
         with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
             for sp in projections:
-                out[id(sp)] = (backprop(sp.proj, grads[id(sp)], absgrad[id(sp)]) if sp.again is None else
-                               self._backprop_again(sp, grads[id(sp)], absgrad[id(sp)]))
+                out[id(sp)] = (backprop(sp.proj, grads[id(sp)], norm2d[id(sp)]) if sp.again is None else
+                               self._backprop_again(sp, grads[id(sp)], norm2d[id(sp)]))
         result = []
         for pair in order:
             sp = where[pair]

@@ -16,6 +16,7 @@ import torch
 
 from odin_ns.render.splats import SPLAT_WIDTH
 from odin_ns.runtime.rank_runtime import OdinRuntimeError
+from odin_ns.runtime.view_projection import screen_grad_norm
 
 WIRE = SPLAT_WIDTH + 2  # the splat, its radius, its key
 RADIUS, KEY = SPLAT_WIDTH, SPLAT_WIDTH + 1
@@ -131,22 +132,24 @@ class SplatReader:
     def after_backward(self, step: int, slot: int, routing, means2d) -> None:
         """After a view's backward: its gradients of this rank's splats kept for U, the other owners' for G."""
         parts, order, has_own = routing
-        absgrad = None
-        if self.absgrad:
+        norm2d = None
+        if self.absgrad:  # the owners' densification statistic, from the absolute gradients (in the parts' order)
             absgrad = torch.empty_like(means2d.absgrad)
             absgrad[order] = means2d.absgrad
+            _, _, W, H = self.camera(step, self.plan.rank_views(step, self.env.rank)[slot])
+            norm2d = screen_grad_norm(absgrad, torch.tensor([[float(W), float(H)]], device=absgrad.device))
         start = 0
         for o, leaf, _, _ in parts:
             n = leaf.shape[0]
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            part_abs = absgrad[start:start + n] if absgrad is not None else None
+            part_norm = norm2d[start:start + n] if norm2d is not None else None
             start += n
             if o == self.env.rank:
                 if has_own:
-                    self.own_grads.setdefault(step, {})[slot] = (grad, part_abs)
+                    self.own_grads.setdefault(step, {})[slot] = (grad, part_norm)
             else:
                 wire = grad.index_select(1, self.grad_columns)
-                wire = torch.cat([wire, part_abs], dim=1) if part_abs is not None else wire
+                wire = torch.cat([wire, part_norm[:, None]], dim=1) if part_norm is not None else wire
                 self.grads_out.setdefault(step, {}).setdefault(o, []).append(wire)
 
     def send_gradients(self, step: int, owners: Sequence[int]) -> None:

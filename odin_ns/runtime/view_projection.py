@@ -128,9 +128,20 @@ def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], pe
                           held.total(leaves) if keep_graph else 0), run_of_row
 
 
-def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.Tensor]) -> torch.Tensor:
-    """The view's contribution from its splats' gradients [n, SPLAT_WIDTH] (and absolute screen-space gradients
-    [n, 2] when the strategy uses them): the backward through the projection, then the statistics."""
+def screen_grad_norm(g2d: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """gsplat's DefaultStrategy statistic of a splat in a view: the norm of its screen-space gradient [n, 2] scaled
+    by half the view's image size (`sizes`: [n or 1, 2], width and height). The reader computes it from the
+    absolute gradients its render accumulated (one number travels where two would) and the owner from the splat
+    gradients: the same operations either way."""
+    w, h = sizes[:, 0], sizes[:, 1]
+    gx, gy = g2d[:, 0] * (w / 2.0), g2d[:, 1] * (h / 2.0)  # gsplat's scale, one camera per view
+    return torch.sqrt(gx * gx + gy * gy)
+
+
+def backprop(view: ViewProjection, grads: torch.Tensor, norm2d: Optional[torch.Tensor]) -> torch.Tensor:
+    """The view's contribution from its splats' gradients [n, SPLAT_WIDTH] (and, when the strategy uses absolute
+    gradients, their statistic [n] as `screen_grad_norm` gives it): the backward through the projection, then the
+    statistics."""
     leaves = view.leaves
     if view.splats.shape[0]:
         torch.autograd.backward(view.splats, grads)
@@ -147,12 +158,11 @@ def backprop(view: ViewProjection, grads: torch.Tensor, absgrad: Optional[torch.
         else:
             out[:, col:col + w] = grad.reshape(m, w)
         col += w
-    g2d = absgrad if absgrad is not None else grads[:, MEANS2D]
-    w, h = view.sizes[:, 0], view.sizes[:, 1]
-    gx, gy = g2d[:, 0] * (w / 2.0), g2d[:, 1] * (h / 2.0)  # gsplat's scale, one camera per view
+    if norm2d is None:
+        norm2d = screen_grad_norm(grads[:, MEANS2D], view.sizes)
     stats = out[:, width:]
     stats.zero_()
-    stats[:, 0].index_copy_(0, view.ids, torch.sqrt(gx * gx + gy * gy))
+    stats[:, 0].index_copy_(0, view.ids, norm2d)
     stats[:, 1].index_fill_(0, view.ids, 1.0)
-    stats[:, 2].index_copy_(0, view.ids, view.radii.to(out.dtype) / torch.maximum(w, h))
+    stats[:, 2].index_copy_(0, view.ids, view.radii.to(out.dtype) / torch.maximum(view.sizes[:, 0], view.sizes[:, 1]))
     return out

@@ -36,9 +36,10 @@ GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the d
 # the splat data path (DESIGN.md "The data path: splats, not rows"; gsplat's rasterization(distributed=True)): per
 # (view, Gaussian) pair the owner sends the projected splat (2-D mean, depth, conic, opacity, RGB colour, radius, id)
 # and gets back the gradients of what the rasterizer differentiates (2-D mean, conic, opacity, colour) with the
-# absolute screen-space gradient splatfacto's densification uses (as runtime/splat_path.py sends them)
+# statistic splatfacto's densification takes of the absolute screen-space gradient, their scaled norm (as
+# runtime/splat_path.py sends them)
 SPLAT_BYTES = 4 * (2 + 1 + 3 + 1 + 3 + 1 + 1)
-SPLAT_GRAD_BYTES = 4 * (2 + 3 + 1 + 3 + 2)
+SPLAT_GRAD_BYTES = 4 * (2 + 3 + 1 + 3 + 1)
 DATA_PATHS = ("rows", "splats")
 
 
