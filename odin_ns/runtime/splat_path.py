@@ -10,9 +10,10 @@ The actions keep their meaning and their lists; what travels is splats:
   from the rows then current if the read took the version U follows (every read at the exact policies), else from
   a copy of the rows the read took (throughput-first's reads behind), and the same values come out;
 - P (owner -> reader, after update u): a header (per step of the publication's window and view of the reader: the
-  splat count of the view if the read takes version u, else -1; throughput-first adds its evidence, each block's
-  last update size), then one float32 payload of `WIRE` columns per splat: the splat (10 numbers), its radius and
-  its key (the Gaussian's position in the whole model's block order), both as int32 bits: 48 bytes;
+  splat count of the view if the read takes version u, else -1; then the view's splat count per block of the owner,
+  from which the reader knows each splat's place in the whole model's block order; throughput-first adds its
+  evidence, each block's last update size), then one float32 payload of `WIRE` columns per splat: the splat (10
+  numbers) and its radius as int32 bits: 44 bytes;
 - W (reader): takes the owners' publications in order, as the exact reads or the evidence decide (`RankRuntime`),
   and keeps each step's splats; R renders each view from its own splats and the received ones sorted by key, the
   order one process renders in, and back-propagates to every splat;
@@ -52,6 +53,7 @@ class StepProjection(NamedTuple):
     row_spans: List[Tuple[int, int]]  # per pair, its projected rows
     splat_spans: List[Tuple[int, int]]  # per pair, its visible splats
     keys: torch.Tensor  # [n] each visible splat's key
+    per_block: torch.Tensor  # [pairs, this rank's blocks] each pair's visible splats per block (int64)
     again: Optional[tuple]  # to project again at U (no graph kept): (per pair its camera, the SH degree, the rows'
     # parameters as the read took them, None if U's current ones)
 
@@ -85,8 +87,8 @@ class SplatPath(SplatReader):
         # then the rows, ascending: what its update touches, known without a host read of its own)
         self.marks: Dict[int, torch.Tensor] = {}
         self.touched: Dict[int, torch.Tensor] = {}
-        self.received: Dict[int, Dict[int, Tuple[int, List[int], torch.Tensor]]] = {}  # step -> owner -> (version,
-        # per view splat count, splats)
+        self.received: Dict[int, Dict[int, tuple]] = {}  # step -> owner -> (version, per view its splat count,
+        # splats, per view its splat count per block of the owner)
         self.grads_out: Dict[int, Dict[int, List[torch.Tensor]]] = {}  # step -> owner -> per view [n, G]
         # receives posted before they are needed (exact policies): ("P", update, owner) -> a publication's header,
         # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
@@ -99,6 +101,9 @@ class SplatPath(SplatReader):
         self.home_start = home_start
         self.global_start = torch.cumsum(self.count, 0) - self.count
         self.mine = self.owner == self.env.rank
+        # each rank's blocks, ascending (a publication counts its splats per block of the owner: the reader's keys)
+        self.blocks_of = [torch.nonzero(self.owner == o).flatten() for o in range(self.env.world_size)]
+        self.slot = torch.cumsum(self.mine.to(torch.int64), 0) - 1  # a block's place among this rank's blocks
 
     # ---- the owner's projections ---------------------------------------------------------------------------
 
@@ -160,7 +165,12 @@ class SplatPath(SplatReader):
         again = (cams, sh_degree, None if update == step - 1 else packed) if self.recompute else None
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
         mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
-        seen = torch.bincount(pair_of_row.index_select(0, proj.ids), minlength=len(pairs))
+        visible_pair = pair_of_row.index_select(0, proj.ids)
+        seen = torch.bincount(visible_pair, minlength=len(pairs))
+        n_mine = len(self.blocks_of[self.env.rank])  # each pair's visible splats per block of this rank (P's header)
+        slot = torch.repeat_interleave(self.slot[block_ids], counts, output_size=total).to(self.device)
+        per_block = torch.bincount(visible_pair * n_mine + slot.index_select(0, proj.ids),
+                                   minlength=len(pairs) * n_mine).view(len(pairs), n_mine)
         if final:
             seen = torch.cat([seen, mark.sum().view(1)])
         seen = seen.tolist()  # the one host read
@@ -168,7 +178,8 @@ class SplatPath(SplatReader):
             self._touched(step, seen.pop())
         splat_starts = [sum(seen[:k]) for k in range(len(pairs))]
         sp = StepProjection(update, proj, pairs, rows, [(a, a + n) for a, n in zip(starts, per_pair)],
-                            [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids), again)
+                            [(a, a + n) for a, n in zip(splat_starts, seen)], keys.index_select(0, proj.ids),
+                            per_block, again)
         self.kept_bytes += _kept_bytes(sp)
         self.kept_peak = max(self.kept_peak, self.kept_bytes)
         return sp
@@ -198,26 +209,29 @@ class SplatPath(SplatReader):
     def publish(self, update: int, readers: Sequence[int]) -> None:
         """P: to each reader its views' splats of every read that takes version `update`."""
         me, rt, sends = self.env.rank, self.runtime, []
+        n_mine = len(self.blocks_of[me])
         for q in readers:
-            header, parts = [], []
+            header, per_block, parts = [], [], []
             for step in self.plan.window(update):
                 mb = len(self.plan.rank_views(step, q))
                 sp = next((s for s in self.steps.get(step, []) if s.update == update and (q, 0) in s.pairs), None)
                 if sp is None:
                     header += [-1] * mb
+                    per_block.append(torch.zeros((mb, n_mine), dtype=torch.int64, device=self.device))
                     continue
                 spans = [sp.span((q, j)) for j in range(mb)]
                 header += [e - s for s, e in spans]
+                first = sp.pairs.index((q, 0))  # a reader's pairs are consecutive, in view order
+                per_block.append(sp.per_block[first:first + mb])
                 a, b = spans[0][0], spans[-1][1]
-                parts += [sp.proj.splats.detach()[a:b], sp.proj.radii[a:b].to(torch.int32).view(torch.float32)[:, None],
-                          sp.keys[a:b].to(torch.int32).view(torch.float32)[:, None]]
-            head = torch.tensor(header, dtype=torch.int64)
+                parts.append(torch.cat([sp.proj.splats.detach()[a:b],
+                                        sp.proj.radii[a:b].to(torch.int32).view(torch.float32)[:, None]], dim=1))
+            head = [torch.tensor(header, dtype=torch.int64).to(self.device), torch.cat(per_block).flatten()]
             if self.plan.staleness:  # the evidence: each block's last update size, as the reader's decisions use it
                 blocks = torch.tensor(self.plan.pub_blocks(update, me, q), dtype=torch.int64)
-                head = torch.cat([head, rt.rel_hist[update][blocks].contiguous().view(torch.int64)])
-            payload = torch.cat([torch.cat(parts[i:i + 3], dim=1) for i in range(0, len(parts), 3)]) if parts else \
-                torch.zeros((0, WIRE), device=self.device)
-            sends += [(q, head.to(self.device)), (q, payload)]
+                head.append(rt.rel_hist[update][blocks].contiguous().view(torch.int64).to(self.device))
+            payload = torch.cat(parts) if parts else torch.zeros((0, WIRE), device=self.device)
+            sends += [(q, torch.cat(head)), (q, payload)]
             rt.channels.note("P", update, q, "send")
         rt.channels.batch(sends, [], "transfer", "P")
 

@@ -1,10 +1,12 @@
 """The reader's side of the splat data path (a part of `runtime.splat_path.SplatPath`).
 
 W: a publication is a header (per step of its window and view of this rank: the splat count of the view if the
-read takes its version, else -1; throughput-first adds each published block's evidence) and the splats it
-announces; they are kept for the steps that read them, and the reader checks that the owner projected the version
-it decided. R: a view renders its own splats and the received ones in key order (the order one process renders
-in). G: the gradients of each owner's splats go back in the order they came. At the exact policies, the receives
+read takes its version, else -1, then the view's splat count per block of the owner; throughput-first adds each
+published block's evidence) and the splats it announces; they are kept for the steps that read them, and the
+reader checks that the owner projected the version it decided. R: a view renders its own splats and the received
+ones in key order (the order one process renders in: a received splat's key is its block's first place in the
+whole model's block order plus its rank among the block's splats, which orders them as their Gaussians' places
+do). G: the gradients of each owner's splats go back in the order they came. At the exact policies, the receives
 of the next messages on every pair are posted as soon as the list's order allows (`_post_ahead`).
 """
 
@@ -15,11 +17,12 @@ from typing import List, Sequence, Tuple
 import torch
 
 from odin_ns.render.splats import SPLAT_WIDTH
+from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.rank_runtime import OdinRuntimeError
 from odin_ns.runtime.view_projection import screen_grad_norm
 
-WIRE = SPLAT_WIDTH + 2  # the splat, its radius, its key
-RADIUS, KEY = SPLAT_WIDTH, SPLAT_WIDTH + 1
+WIRE = SPLAT_WIDTH + 1  # the splat, its radius
+RADIUS = SPLAT_WIDTH
 
 
 def splats_for(projections: Sequence, reader: int) -> int:
@@ -28,33 +31,52 @@ def splats_for(projections: Sequence, reader: int) -> int:
     return sum(e - s for sp in projections for (q, _), (s, e) in zip(sp.pairs, sp.splat_spans) if q == reader)
 
 
+def received_keys(global_start: torch.Tensor, blocks: torch.Tensor, per_block: Sequence[int], n: int
+                  ) -> torch.Tensor:
+    """Render-order keys of an owner's `n` splats for a view, sent in its blocks' order (`blocks`, ascending) and
+    in row order within a block, from their count per block: the block's first place in the whole model's block
+    order plus the splat's rank among the block's. Within a block they order as the Gaussians' places do, and the
+    blocks' ranges do not overlap: sorted with true keys (the reader's own splats), every splat lands where one
+    process renders it."""
+    return expand_ranges(global_start[blocks], torch.tensor(list(per_block), dtype=torch.int64), n)
+
+
 class SplatReader:
     """Receive, render from and answer the owners' splats (mixed into `SplatPath`: the state is its)."""
 
     def receive(self, pubs: Sequence[Tuple[int, int]]) -> List[tuple]:
         """Publications (owner, update) off the channels: headers in one batch, one host read, payloads in one
-        batch. Returns (the views' counts per step of the window, evidence, payload) per publication."""
+        batch. Returns (the views' counts per step of the window, evidence, payload, the views' counts per block of
+        the owner per step) per publication."""
         me, plan, rt = self.env.rank, self.plan, self.runtime
         shapes = [[len(plan.rank_views(t, me)) for t in plan.window(u)] for _, u in pubs]
         n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
+        n_blocks = [len(self.blocks_of[o]) for o, _ in pubs]
         early = [self.early.pop(("P", u, o), None) for o, u in pubs]
-        headers = [e[0] if e is not None else torch.empty(sum(s) + n, dtype=torch.int64, device=self.device)
-                   for e, s, n in zip(early, shapes, n_ev)]
+        headers = [e[0] if e is not None else
+                   torch.empty(sum(s) * (1 + nb) + n, dtype=torch.int64, device=self.device)
+                   for e, s, n, nb in zip(early, shapes, n_ev, n_blocks)]
         rt.channels.batch([], [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None], "validate")
         rt.channels.wait_for([e[1] for e in early if e is not None and e[1] is not None], "validate")
         for o, u in pubs:
             rt.channels.note("P", u, o, "recv")
         values = (torch.cat(headers) if len(headers) > 1 else headers[0]).tolist()  # the one host read
         out, at = [], 0
-        for shape, e in zip(shapes, n_ev):
-            counts = []
+        for (o, u), shape, e, nb in zip(pubs, shapes, n_ev, n_blocks):
+            counts, per_block = [], []
             for mb in shape:
                 counts.append(values[at:at + mb])
                 at += mb
+            for per_view in counts:
+                per_block.append([values[at + j * nb:at + (j + 1) * nb] for j in range(len(per_view))])
+                at += len(per_view) * nb
+                if any(c >= 0 and c != sum(b) for c, b in zip(per_view, per_block[-1])):
+                    raise OdinRuntimeError(f"rank {o}'s publication of update {u}: a view's splats per block do not "
+                                           f"add up to its splat count")
             evidence = torch.tensor(values[at:at + e], dtype=torch.int64).view(torch.float64)
             at += e
             n = sum(c for per_step in counts for c in per_step if c > 0)
-            out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device)))
+            out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device), per_block))
         posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
         if not plan.staleness and rt.channels.posts_ahead:  # on every pair, the next messages' receives go after
             # these, before they are needed
@@ -76,7 +98,8 @@ class SplatReader:
                                                           device=self.device)))
         if plan.contains(step + 1):
             mb = len(plan.rank_views(step + 1, me))
-            recvs += [(("P", step, o), o, torch.empty(mb, dtype=torch.int64, device=self.device))
+            recvs += [(("P", step, o), o, torch.empty(mb * (1 + len(self.blocks_of[o])), dtype=torch.int64,
+                                                      device=self.device))
                       for o in plan.deps(step + 1, me)]
         works = iter(rt.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
         for key, _, t in recvs:  # a receive of nothing is not posted
@@ -84,12 +107,12 @@ class SplatReader:
 
     def accept(self, owner: int, update: int, raw: tuple) -> None:
         """Keep a publication's splats for the steps whose read takes its version."""
-        counts, _, payload = raw
+        counts, _, payload, per_block = raw
         start = 0
-        for step, per_view in zip(self.plan.window(update), counts):
+        for step, per_view, blocks in zip(self.plan.window(update), counts, per_block):
             if per_view and per_view[0] >= 0:
                 n = sum(per_view)
-                self.received.setdefault(step, {})[owner] = (update, per_view, payload[start:start + n])
+                self.received.setdefault(step, {})[owner] = (update, per_view, payload[start:start + n], blocks)
                 start += n
 
     def check_read(self, step: int, owner: int, version: int) -> None:
@@ -113,12 +136,13 @@ class SplatReader:
         if own is not None:  # none where a throughput-first step reads no block of its own
             a, b = own.span((me, slot))
             parts.append((me, own.proj.splats.detach()[a:b].requires_grad_(), own.proj.radii[a:b], own.keys[a:b]))
-        for o, (_, counts, payload) in sorted(self.received.get(step, {}).items()):
+        for o, (_, counts, payload, per_block) in sorted(self.received.get(step, {}).items()):
             start = sum(counts[:slot])
             wire = payload[start:start + counts[slot]]
             self.log.current.remote_pairs += wire.shape[0]
+            keys = received_keys(self.global_start, self.blocks_of[o], per_block[slot], wire.shape[0])
             parts.append((o, wire[:, :SPLAT_WIDTH].detach().requires_grad_(),
-                          wire[:, RADIUS].contiguous().view(torch.int32), wire[:, KEY].contiguous().view(torch.int32)))
+                          wire[:, RADIUS].contiguous().view(torch.int32), keys.to(self.device)))
         if not parts:
             empty = torch.zeros((0, SPLAT_WIDTH), device=self.device).requires_grad_()
             parts.append((me, empty, torch.zeros(0, dtype=torch.int32, device=self.device),

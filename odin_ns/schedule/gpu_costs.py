@@ -34,11 +34,12 @@ from odin_ns.schedule.simulate import Costs
 PARAM_BYTES = 4 * 59  # a publication's row: the six parameters at SH degree 3, float32
 GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the densification statistics
 # the splat data path (DESIGN.md "The data path: splats, not rows"; gsplat's rasterization(distributed=True)): per
-# (view, Gaussian) pair the owner sends the projected splat (2-D mean, depth, conic, opacity, RGB colour, radius, id)
+# (view, Gaussian) pair the owner sends the projected splat (2-D mean, depth, conic, opacity, RGB colour, radius;
+# the reader knows each splat's place from a count per block in the header, which this leaves out)
 # and gets back the gradients of what the rasterizer differentiates (2-D mean, conic, opacity, colour) with the
 # statistic splatfacto's densification takes of the absolute screen-space gradient, their scaled norm (as
 # runtime/splat_path.py sends them)
-SPLAT_BYTES = 4 * (2 + 1 + 3 + 1 + 3 + 1 + 1)
+SPLAT_BYTES = 4 * (2 + 1 + 3 + 1 + 3 + 1)
 SPLAT_GRAD_BYTES = 4 * (2 + 3 + 1 + 3 + 1)
 DATA_PATHS = ("rows", "splats")
 
