@@ -80,8 +80,9 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     keep (the projection's graph: about twice the projected rows' parameters, more than the owned rows with their
     moments when every view reads most of them) or recompute (the splats only; the update projects again with a
     graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: recompute
-    on GPUs (a projection is a small part of a step there, memory what bounds the scene), keep on CPU ranks (the
-    projection is about a third of a render there). Every choice gives the same model bit for bit."""
+    on several GPUs (a projection is a small part of a step there, memory what bounds the scene), keep on one GPU
+    (plain training's cost) and on CPU ranks (the projection is about a third of a render there). Every choice
+    gives the same model bit for bit."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""

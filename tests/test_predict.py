@@ -179,3 +179,7 @@ def test_the_predicted_peak_holds_owned_rows_messages_and_the_largest_pair_graph
     peak = peak_bytes([plan], NoMessages(), scale=2.0)
     assert peak[0] == 2.0 * (3 * ROW_BYTES * 140 + GRAPH_ROW_BYTES * 140)
     assert peak[1] == 2.0 * (3 * ROW_BYTES * 70 + GRAPH_ROW_BYTES * 70)
+    # graphs kept from P to U: every pair of the step at once (step 0: rank 1's view reads block 2, step 1: two
+    # views read it)
+    kept = peak_bytes([plan], NoMessages(), scale=2.0, projection_memory="keep")
+    assert kept[0] == peak[0] and kept[1] == 2.0 * (3 * ROW_BYTES * 70 + GRAPH_ROW_BYTES * 140)

@@ -79,7 +79,8 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
 
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
-                  gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "splats") -> Dict:
+                  gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "splats",
+                  projection_memory: str = "recompute") -> Dict:
     from odin_ns.cli.schedule import predictions
 
     preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
@@ -88,9 +89,11 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
     plans = preview.policy_plans()
     stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
     costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale, GPUS[gpu],
-                      link_named(link), preview.visible, data_path, stale_plans=stale)
+                      link_named(link), preview.visible, data_path, stale_plans=stale,
+                      recompute=projection_memory == "recompute" and ranks > 1)
     pred = predictions(plans, costs)
-    peak = peak_bytes(plans[BARRIER], costs, scale)
+    # one GPU keeps its graph (auto's choice alone: nothing to make room for, and plain training's cost)
+    peak = peak_bytes(plans[BARRIER], costs, scale, projection_memory if ranks > 1 else "keep")
     views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
@@ -102,18 +105,19 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
 
 ROW_BYTES = 4 * 59  # a Gaussian's packed parameters at SH degree 3 (Adam's two moments hold the same again twice)
 # What the graph of one projected row holds on a GPU while an owner back-propagates a pair's splat gradients
-# (`--pipeline.projection-memory recompute`, the GPUs' default): its parameters' copy (the leaves, 59 floats), the
-# SH coefficients gsplat's `spherical_harmonics` saves (16 x 3) and its directions (3), and what
+# (`--pipeline.projection-memory recompute`, the default of several GPUs): its parameters' copy (the leaves, 59
+# floats), the SH coefficients gsplat's `spherical_harmonics` saves (16 x 3) and its directions (3), and what
 # `fully_fused_projection` saves beside its inputs (radii 2, conic 3, compensation 1): by reading gsplat's autograd
 # functions, not measured (no GPU here).
 GRAPH_ROW_BYTES = 4 * (59 + 48 + 3 + 6)
 
 
-def peak_bytes(plans, costs, scale: float) -> List[float]:
+def peak_bytes(plans, costs, scale: float, projection_memory: str = "recompute") -> List[float]:
     """Per rank, the most bytes it holds at a step of the replay: its owned rows with Adam's two moments, plus the
     step's messages it sends and receives (as the data path prices them), plus the graph of the largest pair
-    (reader's view, this rank's rows it reads) it projects again at its update. On the splat path nothing else: no
-    rank holds another rank's rows."""
+    (reader's view, this rank's rows it reads) it projects again at its update, or with `projection_memory` keep
+    the graphs of every pair of the step, kept from P to U. On the splat path nothing else: no rank holds another
+    rank's rows."""
     R = plans[0].num_ranks
     peak = [0.0] * R
     for plan in plans:
@@ -135,8 +139,9 @@ def peak_bytes(plans, costs, scale: float) -> List[float]:
                     for b in blocks:
                         rows[plan.owner[b]] += plan.counts[b]
                     for o in range(R):
-                        key = (plan.start + i, o)
-                        graph[key] = max(graph.get(key, 0.0), GRAPH_ROW_BYTES * scale * rows[o])
+                        key, held = (plan.start + i, o), GRAPH_ROW_BYTES * scale * rows[o]
+                        graph[key] = graph.get(key, 0.0) + held if projection_memory == "keep" else \
+                            max(graph.get(key, 0.0), held)
         for r in range(R):
             most = max((messages.get((step, r), 0.0) + graph.get((step, r), 0.0)
                         for step in range(plan.start, plan.stop)), default=0.0)
@@ -240,6 +245,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--data-path", default="splats", choices=DATA_PATHS,
                     help="what the messages carry: splats (default: what the runtime moves, as gsplat's distributed "
                          "mode) or rows (parameter rows out, gradient rows back: the data path before splats)")
+    ap.add_argument("--projection-memory", default="recompute", choices=("recompute", "keep"),
+                    help="what an owner holds of its projections until its update (--pipeline.projection-memory; "
+                         "recompute, the default of several GPUs, projects again at the update: priced in the "
+                         "update and one pair's graph in the peak; keep, one GPU's: every pair's graph in the peak)")
     ap.add_argument("--views", type=int, default=30000,
                     help="training views the time column counts (default splatfacto's 30000); with 1 among --ranks "
                          "every rank count is also compared with one GPU")
@@ -257,7 +266,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for s in scenes:
             print(f"odin-bench predict: {s}, {r} ranks, {args.steps} steps", flush=True)
             rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians,
-                                      args.micro_batch, args.data_path))
+                                      args.micro_batch, args.data_path, args.projection_memory))
     add_time_to_views(rows, args.views)
     print_rows(rows, args.gpu, args.link, args.views)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -67,8 +67,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         # throughput-first: where its communication lane runs (runtime/lane.py)
         self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
         # what an owner holds of its projections until its update (runtime/splat_path.py)
-        self.recompute = projection_memory == "recompute" or (projection_memory == "auto"
-                                                              and torch.device(model.device).type != "cpu")
+        self.recompute = projection_memory == "recompute" or (
+            projection_memory == "auto" and torch.device(model.device).type != "cpu" and env.world_size > 1)
         # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
         self._store = (dist.distributed_c10d._get_default_store() if env.distributed and dist.is_initialized()
                        else None)

@@ -42,6 +42,11 @@ GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the d
 SPLAT_BYTES = 4 * (2 + 1 + 3 + 1 + 3 + 1)
 SPLAT_GRAD_BYTES = 4 * (2 + 3 + 1 + 3 + 1)
 DATA_PATHS = ("rows", "splats")
+# Several GPUs' default (`--pipeline.projection-memory recompute`) projects an owner's rows for its readers a
+# second time at its update, with a graph: priced at a tenth of a Gaussian's render per projected (view, Gaussian)
+# pair. An estimate, not measured here: fvdb-reality-capture's published garden benchmark projects in 0.46 ms of a
+# 1.84 ms forward render, and a backward costs about twice a forward.
+RECOMPUTE_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ GPUS: Dict[str, GpuModel] = {m.name: m for m in (
 def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
               counts: Sequence[int], scale: float, gpu: GpuModel, link: Link,
               visible: Optional[torch.Tensor] = None, data_path: str = "rows",
-              stale_plans: Optional[Sequence[PhasePlan]] = None) -> Costs:
+              stale_plans: Optional[Sequence[PhasePlan]] = None, recompute: bool = True) -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
     plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
     rows of the owner's blocks its views see, a publication the rows of the blocks the update touched (some view
@@ -79,8 +84,10 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     publication of update u to a reader carries one splat per (view, Gaussian) pair of the reader's views that see
     the owner's blocks at every step whose read takes version u (step u+1's current reads, and at throughput-first
     the later steps' reads the lists admit behind at u), every step (splats are per view: nothing stays at the
-    reader), and a gradient message one splat gradient per pair; the renders' and updates' costs are the same (the
-    projection moves from the reader to the owner, the total does not change). `stale_plans`: the same phases
+    reader), and a gradient message one splat gradient per pair; the renders' costs are the same (the projection
+    moves from the reader to the owner, the total does not change) and an owner's update adds the projection made
+    again at it with `recompute` (`RECOMPUTE_SHARE` of a render per projected pair: whole blocks, every view that
+    reads them). `stale_plans`: the same phases
     under throughput-first, whose lists say which reads its lane's publications carry (without: current reads)."""
     if data_path not in DATA_PATHS:
         raise ValueError(f"unknown data path {data_path!r} (choose from {', '.join(DATA_PATHS)})")
@@ -122,10 +129,16 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                 for r in range(plan.num_ranks):
                     pairs = count * share[list(plan.rank_views(step, r))].sum(dim=0)  # (view, Gaussian) pairs
                     seen_rows[(step, r)] = pairs if data_path == "splats" else pairs.clamp(max=count)
+            projected = torch.zeros(plan.num_ranks, dtype=torch.float64)  # per owner, the pairs it projects
+            if data_path == "splats" and recompute:
+                for r in range(plan.num_ranks):
+                    for blocks in plan.view_reads(step, r):
+                        projected.index_add_(0, owner[list(blocks)], count[list(blocks)])
             for r in range(plan.num_ranks):
                 views = tuple(plan.rank_views(step, r))
                 rows = scale * float(touched_rows[step][owner == r].sum())
-                update = gpu.update_fixed_s + gpu.update_per_row_s * rows
+                update = gpu.update_fixed_s + gpu.update_per_row_s * rows + \
+                    RECOMPUTE_SHARE * gpu.render_per_gaussian_s * scale * float(projected[r])
                 per_step[(step, r)] = (views, sum(render[v] for v in views), update, gpu.step_overhead_s)
 
     def message_bytes(sender: int, a: Action) -> float:
