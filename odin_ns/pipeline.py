@@ -77,8 +77,8 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     on CPU ranks, a thread on GPUs. Every choice gives the same model bit for bit."""
     projection_memory: Literal["auto", "keep", "recompute"] = "auto"
     """What an owner holds of its projections for its readers between publishing their splats and its update:
-    keep (the projection's graph: about twice the projected rows' parameters, more than the owned rows with their
-    moments when every view reads most of them) or recompute (the splats only; the update projects again with a
+    keep (the projection's graph: about three times the projected rows' parameters, more than the owned rows with
+    their moments when every view reads most of them) or recompute (the splats only; the update projects again with a
     graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: recompute
     on several GPUs (a projection is a small part of a step there, memory what bounds the scene), keep on one GPU
     (plain training's cost) and on CPU ranks (the projection is about a third of a render there). Every choice

@@ -2,11 +2,10 @@
 
 An owner projects the rows of its blocks that views read (its own views and its readers', in one call for a step),
 and turns the splats' gradients into each view's contribution when they come back: through the graph it kept, or
-through the same projection made again with a graph (`keep_graph=False` the first time; a graph holds about as
-much as the projected rows' parameters twice over, more than the owned rows with their moments when every view
-reads most of them). The projection
-of a Gaussian does not depend on which others share the call (render/projection.py), so the contributions are the
-same, bit for bit, whatever the rank count and whichever views share a call.
+through the same projection made again with a graph (`keep_graph=False` the first time; a graph holds about three
+times the projected rows' parameters, more than the owned rows with their moments when every view reads most of
+them). The projection of a Gaussian does not depend on which others share the call (render/projection.py), so
+the contributions are the same, bit for bit, whatever the rank count and whichever views share a call.
 
 A contribution is [M, D + 3]: the gradient of each of the M rows' packed parameters, then gsplat's densification
 statistics of the row in this view (DefaultStrategy's `_update_state`: the norm of the screen-space gradient
