@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from odin_ns.cli.bench import DEFAULT_FOX, SCENES
-from odin_ns.schedule.gpu_costs import DATA_PATHS, GPUS, describe, gpu_costs
+from odin_ns.schedule.gpu_costs import DATA_PATHS, GPUS, describe, gpu_costs, pair_rows
 from odin_ns.schedule.links import LINKS, link as link_named
 from odin_ns.schedule.policies import POLICIES
 
@@ -118,6 +118,8 @@ def peak_bytes(plans, costs, scale: float, projection_memory: str = "recompute")
     (reader's view, this rank's rows it reads) it projects again at its update, or with `projection_memory` keep
     the graphs of every pair of the step, kept from P to U. On the splat path nothing else: no rank holds another
     rank's rows."""
+    import torch
+
     R = plans[0].num_ranks
     peak = [0.0] * R
     for plan in plans:
@@ -125,26 +127,21 @@ def peak_bytes(plans, costs, scale: float, projection_memory: str = "recompute")
         for o, n in zip(plan.owner, plan.counts):
             owned[o] += n
         messages: Dict = {}
-        graph: Dict = {}
         for r in range(R):
             for a in plan.actions(r):
                 if a.kind in ("P", "G"):
                     size = costs.message_bytes(r, a)
                     for who in (r, a.peer):
                         messages[(a.step, who)] = messages.get((a.step, who), 0.0) + size
-        for i, per_rank in enumerate(plan.reads):
-            for views in per_rank:
-                for blocks in views:
-                    rows = [0.0] * R
-                    for b in blocks:
-                        rows[plan.owner[b]] += plan.counts[b]
-                    for o in range(R):
-                        key, held = (plan.start + i, o), GRAPH_ROW_BYTES * scale * rows[o]
-                        graph[key] = graph.get(key, 0.0) + held if projection_memory == "keep" else \
-                            max(graph.get(key, 0.0), held)
+        counts = torch.as_tensor(plan.counts, dtype=torch.float64)
+        graph = {}  # step -> [ranks] the graphs an owner holds at its update
+        for step in range(plan.start, plan.stop):
+            rows = pair_rows(plan, step, counts)
+            held = rows.sum(0) if projection_memory == "keep" else rows.amax(0)  # every step renders views
+            graph[step] = GRAPH_ROW_BYTES * scale * held
         for r in range(R):
-            most = max((messages.get((step, r), 0.0) + graph.get((step, r), 0.0)
-                        for step in range(plan.start, plan.stop)), default=0.0)
+            most = max((messages.get((step, r), 0.0) + float(graph[step][r]) for step in range(plan.start, plan.stop)),
+                       default=0.0)
             peak[r] = max(peak[r], 3 * ROW_BYTES * scale * owned[r] + most)
     return peak
 

@@ -165,12 +165,11 @@ class SplatPath(SplatReader):
         again = (cams, sh_degree, None if update == step - 1 else packed) if self.recompute else None
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
         mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
-        visible_pair = pair_of_row.index_select(0, proj.ids)
-        seen = torch.bincount(visible_pair, minlength=len(pairs))
         n_mine = len(self.blocks_of[self.env.rank])  # each pair's visible splats per block of this rank (P's header)
         slot = torch.repeat_interleave(self.slot[block_ids], counts, output_size=total).to(self.device)
-        per_block = torch.bincount(visible_pair * n_mine + slot.index_select(0, proj.ids),
+        per_block = torch.bincount(pair_of_row.index_select(0, proj.ids) * n_mine + slot.index_select(0, proj.ids),
                                    minlength=len(pairs) * n_mine).view(len(pairs), n_mine)
+        seen = per_block.sum(dim=1)  # each pair's visible splats
         if final:
             seen = torch.cat([seen, mark.sum().view(1)])
         seen = seen.tolist()  # the one host read
@@ -184,10 +183,10 @@ class SplatPath(SplatReader):
         self.kept_peak = max(self.kept_peak, self.kept_bytes)
         return sp
 
-    def _backprop_again(self, sp: StepProjection, grads: torch.Tensor, norm2d) -> torch.Tensor:
+    def _backprop_again(self, sp: StepProjection, grads: torch.Tensor, norm2d) -> List[torch.Tensor]:
         """U's backward of a projection kept without its graph: each pair's rows projected again, with a graph,
         and back-propagated at once (a pair's graph at a time: a row's projection and its gradient do not depend on
-        which rows share the call), into the contributions [M, D + 3] a kept graph gives."""
+        which rows share the call): per pair, the contribution a kept graph gives its rows."""
         cams, sh_degree, packed = sp.again
         parts = []
         for k, ((a, b), (sa, sb)) in enumerate(zip(sp.row_spans, sp.splat_spans)):
@@ -202,7 +201,7 @@ class SplatPath(SplatReader):
                                    "between the projection and the update")
             self.kept_peak = max(self.kept_peak, self.kept_bytes + proj.graph_bytes)
             parts.append(backprop(proj, grads[sa:sb], None if norm2d is None else norm2d[sa:sb]))
-        return torch.cat(parts)
+        return parts
 
     # ---- P: the splats out -----------------------------------------------------------------------------------
 
@@ -283,17 +282,16 @@ class SplatPath(SplatReader):
                 g[a:b, self.grad_columns] = wire[:, :cols]  # the columns that did not travel stay zero
                 if nm is not None:
                     nm[a:b] = wire[:, cols]
-        out = {}
+        out = {}  # pair -> (its owned rows, its contribution)
         with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
             for sp in projections:
-                out[id(sp)] = (backprop(sp.proj, grads[id(sp)], norm2d[id(sp)]) if sp.again is None else
-                               self._backprop_again(sp, grads[id(sp)], norm2d[id(sp)]))
-        result = []
-        for pair in order:
-            sp = where[pair]
-            a, b = sp.row_spans[sp.pairs.index(pair)]
-            result.append((sp.rows[a:b], out[id(sp)][a:b]))
-        return result, self.touched.pop(step)
+                if sp.again is None:
+                    whole = backprop(sp.proj, grads[id(sp)], norm2d[id(sp)])
+                    parts = [whole[a:b] for a, b in sp.row_spans]
+                else:
+                    parts = self._backprop_again(sp, grads[id(sp)], norm2d[id(sp)])
+                out.update((pair, (sp.rows[a:b], part)) for pair, (a, b), part in zip(sp.pairs, sp.row_spans, parts))
+        return [out[pair] for pair in order], self.touched.pop(step)
 
     def take_kept_peak(self) -> int:
         """The most the kept projections held since the last call."""

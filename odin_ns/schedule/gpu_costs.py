@@ -49,6 +49,17 @@ DATA_PATHS = ("rows", "splats")
 RECOMPUTE_SHARE = 0.1
 
 
+def pair_rows(plan: PhasePlan, step: int, count: torch.Tensor) -> torch.Tensor:
+    """[pairs, ranks] float64: for each view of `step` (rank, then view), the rows of each rank's blocks it reads,
+    `count` per block: what each owner projects for it."""
+    owner = torch.as_tensor(plan.owner)
+    views = [blocks for r in range(plan.num_ranks) for blocks in plan.view_reads(step, r)]
+    out = torch.zeros((len(views), plan.num_ranks), dtype=torch.float64)
+    for k, blocks in enumerate(views):
+        out[k].index_add_(0, owner[list(blocks)], count[list(blocks)].double())
+    return out
+
+
 @dataclass(frozen=True)
 class GpuModel:
     name: str
@@ -129,11 +140,8 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                 for r in range(plan.num_ranks):
                     pairs = count * share[list(plan.rank_views(step, r))].sum(dim=0)  # (view, Gaussian) pairs
                     seen_rows[(step, r)] = pairs if data_path == "splats" else pairs.clamp(max=count)
-            projected = torch.zeros(plan.num_ranks, dtype=torch.float64)  # per owner, the pairs it projects
-            if data_path == "splats" and recompute:
-                for r in range(plan.num_ranks):
-                    for blocks in plan.view_reads(step, r):
-                        projected.index_add_(0, owner[list(blocks)], count[list(blocks)])
+            projected = pair_rows(plan, step, count).sum(0) if data_path == "splats" and recompute else \
+                torch.zeros(plan.num_ranks, dtype=torch.float64)  # per owner, the pairs it projects
             for r in range(plan.num_ranks):
                 views = tuple(plan.rank_views(step, r))
                 rows = scale * float(touched_rows[step][owner == r].sum())
