@@ -4,9 +4,11 @@
                      [--policies odin-barrier,odin] [--json FILE] [-- NS-TRAIN ARGS]
 
 For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
-densification off, so the count stays) under each policy, one after the other in this invocation. From each run's
-odin_stats.json, per step and rank: render, update, bookkeeping, loop, planning and wait in ms (mean over the
-steps before the counted ones but the run's first: phase starts included); the tensor operations the runtime's
+densification off, so the count stays; SH degree 3 from step 3, so that every one of a row's 59 columns trains, as
+the floor's do: below degree 3 the update skips the coefficients that do not train) under each policy, one after
+the other in this invocation. From each run's odin_stats.json, per step and rank: render, update, bookkeeping, loop,
+planning and wait in ms (mean over the steps at degree 3 before the counted ones, from the one after the phase
+start the change to degree 3 makes: later phase starts included); the tensor operations the runtime's
 side of a step (validate and publish: all but the render) dispatches and the host syncs among them, counted on
 the last `--count-steps` steps (`runtime.op_count`: what a GPU pays per kernel launch and per stall,
 machine-independent); peak resident Gaussians
@@ -37,7 +39,8 @@ TARGET_FLOOR_RATIO = 3.0
 
 
 def city_args(size: int, block_size: int) -> List[str]:
-    return ["--pipeline.model.stop-split-at", "0", "--pipeline.block-size", str(block_size),
+    return ["--pipeline.model.stop-split-at", "0", "--pipeline.model.sh-degree-interval", "1",
+            "--pipeline.block-size", str(block_size),
             "odin-city", "--width", "64", "--height", "48", "--num-points", str(size)]
 
 
@@ -86,12 +89,16 @@ def inplace_adam_floor_ms(rows: int, repeats: int = 15) -> float:
         torch.set_num_threads(threads)
 
 
+FULL_DEGREE_FROM = 4  # SH degree 3 from step 3 (`city_args`: a degree a step), whose change starts a phase: the
+# steps after that start-up, as the run's first step is left out
+
+
 def per_step(stats: Dict, count_from: int) -> Dict:
-    """Means per step and rank over every step before the counted ones but the run's first (its start-up), phase
-    starts included, and the counts."""
+    """Means per step and rank over every step at SH degree 3 before the counted ones but the phase start at that
+    degree (the bench's start-up, as a run's first step is), later phase starts included, and the counts."""
     records = stats["steps"]
     first = min(r["step"] for r in records)
-    timed = [r for r in records if first < r["step"] < count_from]
+    timed = [r for r in records if max(first + 1, FULL_DEGREE_FROM) <= r["step"] < count_from]
     counted = [r for r in records if r.get("runtime_ops") is not None]
 
     def ms(key):

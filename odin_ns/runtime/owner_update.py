@@ -7,7 +7,8 @@ densification statistics), one per view, in the reference order (rank, then view
    `index_add_` per contribution (the rows of one contribution are distinct, so each row's sum is the same
    sequence of additions on every rank count; rows a view did not touch go to a spare row that is dropped);
 3. applies selective Adam to those rows only (`SelectiveAdam.step_rows`: no gradient or mask the size of the
-   shard), parameter by parameter, and, for throughput-first's evidence, notes each row's squared change;
+   shard), parameter by parameter, and, for throughput-first's evidence, notes each row's squared change; of the SH
+   coefficients, only those of the degree the step trains (`TrainedCoefficients`);
 4. adds the densification statistics (screen-space gradient norms, visibility counts, largest radii) of those rows.
 A row no view touched is not read or written, moments included.
 """
@@ -41,11 +42,13 @@ class OwnerUpdate:
         self.width = self.columns[-1][1]
         self._acc: Optional[torch.Tensor] = None  # the sum's buffer (odin_ns.buffers)
         self._place: Optional[torch.Tensor] = None  # each owned row's place among the touched rows
+        self.coefficients = TrainedCoefficients(model, num_rest)
 
-    def run(self, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
+    def run(self, step: int, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
             optimizers, track: bool, evidence: bool) -> UpdateResult:
         """`rows`: the owned rows some contribution's view saw (statistics' visible > 0), ascending (the splat path
-        knows them from its projections, without a host read)."""
+        knows them from its projections, without a host read); every view of `step` rendered at that step's SH
+        degree."""
         model, width = self.model, self.width
         n_owned = model.gauss_params["means"].shape[0]
         T = rows.shape[0]
@@ -61,7 +64,9 @@ class OwnerUpdate:
         for name, (c0, c1) in zip(PARAM_NAMES, self.columns):
             param = model.gauss_params[name]
             grad = acc[:T, c0:c1].reshape((T,) + tuple(param.shape[1:]))
-            before, after, _ = optimizers.optimizers[name].step_rows(rows, grad, keep_before=evidence)
+            optimizer = optimizers.optimizers[name]
+            width = self.coefficients.width(step, optimizer) if name == "features_rest" else None
+            before, after, _ = optimizer.step_rows(rows, grad, keep_before=evidence, width=width)
             if T and delta_sq is not None:
                 delta_sq += (after - before).double().pow(2).flatten(1).sum(dim=1)
         if track:
@@ -88,3 +93,36 @@ class OwnerUpdate:
         state["grad2d"].index_add_(0, rows, acc[:, width])
         state["count"].index_add_(0, rows, acc[:, width + 1])
         state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
+
+
+class TrainedCoefficients:
+    """How many SH coefficients (of features_rest) an update must run Adam on: those of the degree the step trains
+    ((degree + 1)^2 - 1), while the others have zero moments. A coefficient above that degree gets a zero gradient
+    from every view (the SH evaluation does not read it); with zero moments Adam leaves it, and its moments, as they
+    are, bit for bit, so the update skips it: 45 of a Gaussian's 59 columns until degree 1, for the first
+    `sh_degree_interval` steps (the first tenth of splatfacto's schedule runs below degree 3). Zero moments hold
+    from the start (densification gives new rows zero moments) but not for every state a checkpoint may bring, so
+    they are checked once for each moments tensor the optimizer holds (a host read when densification, a rebuild
+    or a resume replaces them), and every coefficient is updated where they are not zero."""
+
+    def __init__(self, model, num_rest: int):
+        self.model = model
+        self.num_rest = num_rest
+        self._checked: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None  # moments, and whether clean
+
+    def width(self, step: int, optimizer) -> Optional[int]:
+        """The leading coefficients to update at `step` (None: all)."""
+        degree = self.model.sh_degree_at(step)
+        trained = self.num_rest if degree is None else min(self.num_rest, (degree + 1) ** 2 - 1)
+        if trained >= self.num_rest:
+            return None
+        (param,) = optimizer.param_groups[0]["params"]
+        state = optimizer.state.get(param, {})
+        m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+        if m is None:  # no state yet: the optimizer starts it at zero
+            return trained
+        known = self._checked
+        if known is None or known[0] is not m or known[1] is not v:
+            rest = slice(trained, None)
+            self._checked = known = (m, v, bool((m[:, rest] == 0).all() and (v[:, rest] == 0).all()))
+        return trained if known[2] else None

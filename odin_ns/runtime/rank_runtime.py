@@ -160,7 +160,7 @@ class RankRuntime(ReadAdmission):
         """Selective Adam on the rows some view saw (`touched`, ascending), from `contributions` in the reference
         order; the evidence of the update."""
         with self.log.updating():
-            result = self.owner_update.run(contributions, touched, optimizers, track,
+            result = self.owner_update.run(step, contributions, touched, optimizers, track,
                                            evidence=bool(self.plan.staleness))
         self.last = result
         self.record_evidence(step, result.delta_sq, result.rows)

@@ -155,13 +155,18 @@ class SelectiveAdam(torch.optim.Optimizer):
 
 
     @torch.no_grad()
-    def step_rows(self, rows: Tensor, grad: Tensor, keep_before: bool = False
+    def step_rows(self, rows: Tensor, grad: Tensor, keep_before: bool = False, width: Optional[int] = None
                   ) -> Tuple[Optional[Tensor], Tensor, Tensor]:
         """One update of this optimizer's (single) parameter on the given rows only, with their gradient rows: the
         same arithmetic as `step(visibility)` with exactly those rows visible, without a gradient or a mask the
         size of the parameter (the owner's update touches what the step touched). The step count advances as in
         `step`. Returns the rows' values before (only if `keep_before`: a copy), after, and their first moment
-        after (a row whose first moment is all zero did not change: its step is zero)."""
+        after (a row whose first moment is all zero did not change: its step is zero).
+
+        `width`: update only the first `width` entries of each row's second dimension (`grad` may have just those).
+        The caller vouches that the others have a zero gradient and zero moments, where Adam is a no-op bit for bit
+        (m and v stay 0, p moves by -lr * 0 / eps): the SH coefficients above the degree a step trains
+        (`OwnerUpdate`)."""
         (group,) = self.param_groups
         (p,) = group["params"]
         state = self.state[p]
@@ -172,6 +177,8 @@ class SelectiveAdam(torch.optim.Optimizer):
         step = self._advance(state)
         self.visibility = None
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        if width is not None and width < p.shape[1]:
+            p, m, v, grad = p.data[:, :width], m[:, :width], v[:, :width], grad[:, :width]
         p_r, m_r, v_r, denom, g_r = self._buffers(p, rows.shape[0])
         if not grad.is_contiguous():
             grad = g_r.copy_(grad)
