@@ -179,9 +179,8 @@ class SelectiveAdam(torch.optim.Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         if width is not None and width < p.shape[1]:
             p, m, v, grad = p.data[:, :width], m[:, :width], v[:, :width], grad[:, :width]
-        p_r, m_r, v_r, denom, g_r = self._buffers(p, rows.shape[0])
-        if not grad.is_contiguous():
-            grad = g_r.copy_(grad)
+        p_r, m_r, v_r, denom = self._buffers(p, rows.shape[0])  # a strided `grad` is read as it is (elementwise
+        # operations give the same bits whatever the strides; a copy first would cost a pass)
         lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
         if group["bias_correction"]:
             bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
@@ -206,9 +205,9 @@ class SelectiveAdam(torch.optim.Optimizer):
         return before, p_r, m_r
 
     def _buffers(self, p: Tensor, n: int) -> Tuple[Tensor, ...]:
-        """Five contiguous [n, ...] buffers shaped like `p`'s rows (its rows, moments, Adam's denominator and the
-        gradient when it comes strided), kept between steps (`odin_ns.buffers`)."""
-        self._work = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device) for buf in self._work or [None] * 5]
+        """Four contiguous [n, ...] buffers shaped like `p`'s rows (its rows, moments and Adam's denominator), kept
+        between steps (`odin_ns.buffers`)."""
+        self._work = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device) for buf in self._work or [None] * 4]
         return tuple(buf[:n] for buf in self._work)
 
 
