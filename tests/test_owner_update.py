@@ -115,3 +115,35 @@ def test_coefficients_above_the_degree_are_skipped_bit_for_bit_and_only_with_zer
     assert late_update.coefficients.width(0, late[1].optimizers["features_rest"]) is None
     for a, b in zip(_state(*late[:2]), _state(*ref[:2])):
         assert torch.equal(a, b)
+
+
+def test_the_in_place_masked_update_equals_the_gathered_one():
+    """Where a step touches most of the owned rows the CPU update runs in place over every row with Adam a no-op on
+    the untouched ones (`SelectiveAdam.step_touched`); it gives the gathered update's parameters, moments,
+    densification statistics and evidence, bit for bit, with contributions that also carry rows no view saw (zero
+    pieces, as a projection's rows outside the view)."""
+    width = param_columns(NUM_REST)["opacities"][1]
+    runs = []
+    for share in (0.0, 1.0):  # always masked where not every row is touched / never
+        model, optimizers, _ = _model_and_optimizers(17, lambda step: min(step, 3))
+        update = OwnerUpdate(model, NUM_REST, torch.device("cpu"))
+        update.masked_share = share
+        runs.append((model, optimizers, update, []))
+    g = torch.Generator().manual_seed(18)
+    for step in range(6):
+        touched = sorted(torch.randperm(N, generator=g)[:20].tolist())
+        trained = (min(step, 3) + 1) ** 2 - 1
+        seen = _contribution(g, touched[:14], width, True, trained)
+        other = _contribution(g, touched[8:], width, True, trained)
+        unseen = [r for r in range(N) if r not in touched][:5]
+        idx = torch.cat([seen[0], torch.tensor(unseen)])
+        piece = torch.cat([seen[1], torch.zeros((len(unseen), width + 3))])
+        for model, optimizers, update, results in runs:
+            results.append(update.run(step, [(idx, piece), other], torch.tensor(touched), optimizers, track=True,
+                                      evidence=True).delta_sq)
+    (ma, oa, _, ra), (mb, ob, _, rb) = runs
+    for x, y in zip(_state(ma, oa), _state(mb, ob)):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for key in ("grad2d", "count", "radii"):
+        assert torch.equal(ma.strategy_state[key], mb.strategy_state[key]), key
+    assert all(torch.equal(x, y) for x, y in zip(ra, rb))

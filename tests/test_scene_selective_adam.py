@@ -360,3 +360,31 @@ def test_step_rows_equals_a_masked_step_through_parameter_replacements():
             a.param_groups[0]["params"] = [new]
             a.state[new] = state
             spare, pa = pa, new
+
+
+def test_step_touched_equals_step_rows_bit_for_bit():
+    """`step_touched` (in place over every row, Adam a no-op on the rows not touched) gives the bits `step_rows`
+    gives (gathered rows), parameters and moments, signs of zeros included, on a whole parameter and on the leading
+    SH coefficients of one (strided views, a strided gradient), through steps with different touched rows."""
+    g = torch.Generator().manual_seed(21)
+    for shape, width in (((3,), None), ((15, 3), 8), ((1,), None)):
+        n = 301
+        init = torch.randn((n,) + shape, generator=g)
+        pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+        a, b = SelectiveAdam([pa], lr=3e-2, eps=1e-15), SelectiveAdam([pb], lr=3e-2, eps=1e-15)
+        for t in range(6):
+            touched = torch.rand(n, generator=g) < 0.7
+            rows = torch.nonzero(touched).flatten()
+            scale = 10.0 ** torch.randint(-8, 2, (n,) + (1,) * len(shape), generator=g).float()
+            wide = torch.zeros((n, 64))  # the update's sum: a parameter's columns are a strided slice
+            cols = int(torch.Size(shape).numel())
+            wide[:, 5:5 + cols] = (torch.randn((n,) + shape, generator=g) * scale).flatten(1) * touched[:, None]
+            grad = wide[:, 5:5 + cols].reshape((n,) + shape)
+            before_a, after_a, _ = a.step_rows(rows, grad.index_select(0, rows), keep_before=True, width=width)
+            before_b, after_b = b.step_touched(touched, grad, keep_before=True, width=width)
+            assert torch.equal(before_b.index_select(0, rows), before_a) and torch.equal(
+                after_b.index_select(0, rows), after_a)
+            for x, y in ((pa.data, pb.data), (a.state[pa]["exp_avg"], b.state[pb]["exp_avg"]),
+                         (a.state[pa]["exp_avg_sq"], b.state[pb]["exp_avg_sq"])):
+                assert torch.equal(x.view(torch.int32), y.view(torch.int32)), (shape, t)
+        assert not torch.equal(pa.data, init)  # it trained

@@ -118,11 +118,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         return value
 
     def _update(self, p: Tensor, group: dict, visibility: Optional[Tensor]) -> None:
-        state = self.state[p]
-        if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state = self._started(p)
         step = self._advance(state)
         grad = p.grad
         if grad is None:
@@ -167,25 +163,9 @@ class SelectiveAdam(torch.optim.Optimizer):
         The caller vouches that the others have a zero gradient and zero moments, where Adam is a no-op bit for bit
         (m and v stay 0, p moves by -lr * 0 / eps): the SH coefficients above the degree a step trains
         (`OwnerUpdate`)."""
-        (group,) = self.param_groups
-        (p,) = group["params"]
-        state = self.state[p]
-        if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        step = self._advance(state)
-        self.visibility = None
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        if width is not None and width < p.shape[1]:
-            p, m, v, grad = p.data[:, :width], m[:, :width], v[:, :width], grad[:, :width]
+        p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt) = self._begin_single(grad, width)
         p_r, m_r, v_r, denom = self._buffers(p, rows.shape[0])  # a strided `grad` is read as it is (elementwise
         # operations give the same bits whatever the strides; a copy first would cost a pass)
-        lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
-        if group["bias_correction"]:
-            bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
-        else:
-            bias1, bias2_sqrt = 1.0, 1.0
         if rows.shape[0] == p.shape[0] and rows.numel():  # every row (rows ascending, distinct): in place, no
             # gather; the same operations on the same values, element by element
             data = p.data
@@ -203,6 +183,61 @@ class SelectiveAdam(torch.optim.Optimizer):
         m.index_copy_(0, rows, m_r)
         v.index_copy_(0, rows, v_r)
         return before, p_r, m_r
+
+    @torch.no_grad()
+    def step_touched(self, touched: Tensor, grad: Tensor, keep_before: bool = False, width: Optional[int] = None
+                     ) -> Tuple[Optional[Tensor], Tensor]:
+        """`step_rows` on the rows `touched` ([N] bool) marks, computed in place over every row: `grad` [N, ...]
+        must be zero on the rows not touched. Adam's operations run with per-row factors that are Adam's own on a
+        touched row and make it a no-op on the others: m <- lerp(m, g, 0) = m, v <- v * 1 + 0, p <- p + (0 * m) /
+        denom = p (a zero of either sign added to p leaves it, but turns a -0.0 into +0.0). On a touched row the
+        factors are the scalars Adam uses, rounded to the parameter's dtype as a scalar operand is, and the step
+        is written m * s / denom, the order in which `addcdiv_` evaluates value * m / denom: the same bits (tested
+        against `step_rows`). Where most rows are touched this saves the gathers and scatters of p, m and v. Returns
+        the parameter's values before (a copy, if `keep_before`) and after (the parameter itself)."""
+        p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt) = self._begin_single(grad, width)
+        shape = (p.shape[0],) + (1,) * (p.dim() - 1)
+
+        def factor(on: float, off: float) -> Tensor:
+            return torch.where(touched, torch.tensor(on, dtype=p.dtype), torch.tensor(off, dtype=p.dtype)).view(shape)
+
+        denom, step_m = self._buffers(p, p.shape[0])[:2]
+        before = p.clone() if keep_before else None
+        m.lerp_(grad, factor(1 - beta1, 0.0))
+        v.mul_(factor(beta2, 1.0)).addcmul_(grad, grad, value=1 - beta2)
+        torch.sqrt(v, out=denom)
+        denom.div_(bias2_sqrt).add_(eps)
+        torch.mul(m, factor(-(lr / bias1), 0.0), out=step_m)
+        p.addcdiv_(step_m, denom)
+        return before, p
+
+    def _started(self, p: Tensor) -> dict:
+        """`p`'s state, started as torch.optim.Adam starts it if it is new."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _begin_single(self, grad: Tensor, width: Optional[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, tuple]:
+        """For `step_rows` and `step_touched`: the single parameter's data, moments and `grad` (their first `width`
+        entries of dimension 1), the state started if new and its step counted; the step's scalars (lr, eps, beta1,
+        beta2, bias1, bias2_sqrt)."""
+        (group,) = self.param_groups
+        (p,) = group["params"]
+        state = self._started(p)
+        step = self._advance(state)
+        self.visibility = None
+        p, m, v = p.data, state["exp_avg"], state["exp_avg_sq"]
+        if width is not None and width < p.shape[1]:
+            p, m, v, grad = p[:, :width], m[:, :width], v[:, :width], grad[:, :width]
+        lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
+        if group["bias_correction"]:
+            bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+        else:
+            bias1, bias2_sqrt = 1.0, 1.0
+        return p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt)
 
     def _buffers(self, p: Tensor, n: int) -> Tuple[Tensor, ...]:
         """Four contiguous [n, ...] buffers shaped like `p`'s rows (its rows, moments and Adam's denominator), kept
