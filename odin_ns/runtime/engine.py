@@ -37,6 +37,7 @@ from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.read_set_check import ReadSetCheck
+from odin_ns.runtime.sent_marks import SentMarks
 from odin_ns.runtime.splat_path import SplatPath
 from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, packed_rows
 from odin_ns.runtime.transport import RECORD_ENV
@@ -46,7 +47,7 @@ from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_boun
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
 
-SENT_KEY = "odin/lane/gradients-sent/"  # + rank: the last step whose gradients the rank sent (inline lanes)
+SENT_KEY = "odin/lane/gradients-sent/"  # the inline lanes' notes in the job's store (runtime/sent_marks.py)
 
 
 class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
@@ -69,11 +70,12 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         # what an owner holds of its projections until its update (runtime/splat_path.py)
         self.recompute = projection_memory == "recompute" or (
             projection_memory == "auto" and torch.device(model.device).type != "cpu" and env.world_size > 1)
-        # the job's key-value store (inline lanes' probe); none where no ranks really run (a schedule's preview)
-        self._store = (dist.distributed_c10d._get_default_store() if env.distributed and dist.is_initialized()
-                       else None)
-        if self._store is not None and self.lane_mode == "inline":  # every key exists before the first probe (the
-            self._store.set(f"{SENT_KEY}{env.rank}", "-1")  # start-up's collectives come between): one read each
+        # inline lanes' probe: each rank's last step whose gradients it sent (runtime/sent_marks.py), made by every
+        # rank at start-up (the start-up's collectives come before the first probe); none where no ranks really run
+        # (a schedule's preview) and for the exact policies (no lane)
+        self._sent = (SentMarks(dist.distributed_c10d._get_default_store(), env.rank, env.world_size, SENT_KEY)
+                      if env.distributed and dist.is_initialized() and self.lane_mode == "inline"
+                      and self.policy.stale_reads else None)
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
         self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
         self.block_cut = block_cut
@@ -306,7 +308,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
     def _send_gradients(self, group, ctx: StepContext) -> None:
         self.splats.send_gradients(ctx.step, [a.peer for a in group])
         if self.lane is not None and self.lane_mode == "inline":  # the owners' probe: this rank's are out
-            self._store.set(f"{SENT_KEY}{self.env.rank}", str(ctx.step))
+            self._sent.note(ctx.step)
 
     def _update(self, group, ctx: StepContext) -> None:
         self._apply_update(ctx.step, ctx.optimizers)
@@ -357,7 +359,6 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         (each rank notes, in the job's key-value store, the last step whose gradients it sent; the gradients are
         on the pair after every earlier message, so the update would not wait). Which way it goes changes when the
         update runs, never what it computes nor what any render reads."""
-        keys = [f"{SENT_KEY}{q}" for q in self.plan.readers(action.step, self.env.rank)]
-        return not keys or all(int(v) >= action.step for v in self._store.multi_get(keys))
+        return self._sent.all_sent(self.plan.readers(action.step, self.env.rank), action.step)
 
 
