@@ -356,8 +356,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
 
     def _lane_probe(self, action) -> bool:
         """Inline: whether every reader of the rank's blocks at `action.step` has sent its gradients of that step
-        (each rank notes, in the job's key-value store, the last step whose gradients it sent; the gradients are
-        on the pair after every earlier message, so the update would not wait). Which way it goes changes when the
+        (each rank notes the last step whose gradients it sent, `SentMarks`; the gradients are on the pair after
+        every earlier message, so the update would not wait). Which way it goes changes when the
         update runs, never what it computes nor what any render reads."""
         return self._sent.all_sent(self.plan.readers(action.step, self.env.rank), action.step)
 

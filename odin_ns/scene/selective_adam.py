@@ -189,8 +189,9 @@ class SelectiveAdam(torch.optim.Optimizer):
                      ) -> Tuple[Optional[Tensor], Tensor]:
         """`step_rows` on the rows `touched` ([N] bool) marks, computed in place over every row: `grad` [N, ...]
         must be zero on the rows not touched. Adam's operations run with per-row factors that are Adam's own on a
-        touched row and make it a no-op on the others: m <- lerp(m, g, 0) = m, v <- v * 1 + 0, p <- p + (0 * m) /
-        denom = p (a zero of either sign added to p leaves it, but turns a -0.0 into +0.0). On a touched row the
+        touched row and make it a no-op on the others: m <- lerp(m, g, 0) = m, v <- v * 1 + 0, p <- p + (-0.0) / denom
+        = p (the step is set to -0.0 there: 0 * m would be a zero of m's sign, and +0.0 added to a -0.0 parameter
+        makes it +0.0; m and v never hold -0.0, which Adam cannot make from zeros). On a touched row the
         factors are the scalars Adam uses, rounded to the parameter's dtype as a scalar operand is, and the step
         is written m * s / denom, the order in which `addcdiv_` evaluates value * m / denom: the same bits (tested
         against `step_rows`). Where most rows are touched this saves the gathers and scatters of p, m and v. Returns
@@ -208,6 +209,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         torch.sqrt(v, out=denom)
         denom.div_(bias2_sqrt).add_(eps)
         torch.mul(m, factor(-(lr / bias1), 0.0), out=step_m)
+        step_m.masked_fill_(~touched.view(shape), -0.0)
         p.addcdiv_(step_m, denom)
         return before, p
 
