@@ -328,7 +328,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         if plan.staleness and runtime.channels is not None:
             runtime.drain(step, readers)  # publications ahead of the gradients on a pair
         runtime.apply(step, *self.splats.contributions(step, readers), optimizers, track)
-        optimizers.scheduler_step_all(step)
+        with self.log.nerfstudio():
+            optimizers.scheduler_step_all(step)
         if plan.contains(step + 1):
             params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
             self.fault.apply(self, step, params)

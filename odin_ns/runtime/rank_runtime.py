@@ -25,6 +25,7 @@ import torch.distributed as dist
 from odin_ns.runtime.admission import ReadAdmission
 from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.owner_update import OwnerUpdate, UpdateResult
+from odin_ns.runtime.row_bounds import RowBounds
 from odin_ns.runtime.transport import Channels
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.schedule.plan import PhasePlan
@@ -75,7 +76,7 @@ class RankRuntime(ReadAdmission):
                        zip(self.own_ids.tolist(), self.home_start[self.own_ids].tolist(),
                            self.count[self.own_ids].tolist())}
         self.row_block_d = self.row_block.to(self.device)
-        self.envelope = tuple(t.to(self.device) for t in envelope)
+        self.bounds = RowBounds(*(t.to(self.device) for t in envelope), plan.motion, plan.growth, self.row_block_d)
         self.extras_self: Dict[int, Dict[int, List[int]]] = {}  # step -> own view -> own blocks added after a miss
         self.extras_out: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # step -> reader -> (view, block)
         self.moved_rows: List[torch.Tensor] = []  # rows moved outside the optimizer this step (fault injection)
@@ -195,18 +196,11 @@ class RankRuntime(ReadAdmission):
             current = {q: self.read_version.get((step, q)) == step - 1 for q in plan.readers(step, me) + [me]}
         rows = self.changed_rows()
         if rows.numel() and self.n_owned:
-            i = plan.index(step)
-            motion, growth = plan.motion[i], plan.growth[i]
-            env_lo, env_hi, env_scale = self.envelope
-            blocks = self.row_block_d[rows]
-            means = self.model.gauss_params["means"].detach()[rows]
-            scale = torch.exp(self.model.gauss_params["scales"].detach()[rows]).amax(dim=1)
-            inside = ((means >= env_lo[blocks] - motion).all(dim=1) & (means <= env_hi[blocks] + motion).all(dim=1)
-                      & (scale.double() <= env_scale[blocks].double() * math.exp(growth)))
-            if not bool(inside.all()):
-                new = set(blocks[~inside].tolist()) - self.outside
-                self.plan_violations += len(new)
-                self.outside |= new
+            params = self.model.gauss_params
+            new = set(self.bounds.blocks_outside(plan.index(step), rows, params["means"].detach(),
+                                                 params["scales"].detach())) - self.outside
+            self.plan_violations += len(new)
+            self.outside |= new
         if not self.outside:
             return
         for b in self.outside:  # its update's size is unknown while it is outside: no read of it is admitted behind

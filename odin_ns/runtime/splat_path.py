@@ -261,27 +261,30 @@ class SplatPath(SplatReader):
             rt.channels.wait_for(posted, "transfer")
             for q in readers:
                 rt.channels.note("G", step, q, "recv")
-        grads = {id(sp): torch.zeros((sp.proj.splats.shape[0], SPLAT_WIDTH), device=self.device)
-                 for sp in projections}
-        norm2d = {id(sp): torch.zeros(sp.proj.splats.shape[0], device=self.device) if self.absgrad else None
-                  for sp in projections}
+        # each projection's splat gradients, its pairs' parts in span order (the reference order within it): a
+        # view of this rank's own gradients as they are, a remote one with the columns that did not travel zero
+        parts = {id(sp): ([], []) for sp in projections}
         own = self.own_grads.pop(step, {})
         offsets = dict.fromkeys(payloads, 0)
         for q, j in order:
             sp = where[(q, j)]
             a, b = sp.span((q, j))
-            g, nm = grads[id(sp)], norm2d[id(sp)]
+            got, norms = parts[id(sp)]
+            assert a == sum(t.shape[0] for t in got), "a projection's pairs out of span order"
             if q == me:
-                g[a:b], part_norm = own[j]
-                if nm is not None:
-                    nm[a:b] = part_norm
+                grad, norm = own[j]
             else:
                 k = offsets[q]
                 wire = payloads[q][k:k + b - a]
                 offsets[q] = k + b - a
-                g[a:b, self.grad_columns] = wire[:, :cols]  # the columns that did not travel stay zero
-                if nm is not None:
-                    nm[a:b] = wire[:, cols]
+                grad = wire.new_zeros((b - a, SPLAT_WIDTH))
+                grad[:, self.grad_columns] = wire[:, :cols]
+                norm = wire[:, cols] if self.absgrad else None
+            got.append(grad)
+            norms.append(norm)
+        grads = {key: g[0] if len(g) == 1 else torch.cat(g) for key, (g, _) in parts.items()}
+        norm2d = {key: None if not self.absgrad else n[0] if len(n) == 1 else torch.cat(n)
+                  for key, (_, n) in parts.items()}
         out = {}  # pair -> (its owned rows, its contribution)
         with self.log.computing(), self.ops.paused():  # the backward of an owner's projection counts as render
             for sp in projections:

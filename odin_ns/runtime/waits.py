@@ -7,8 +7,8 @@ odin-barrier only), `phase` (the synchronization, densify/prune/rebalance and pl
 
 Every second of a step's wall (from the start of one step to the start of the next) is in exactly one part:
 `render_s` (forward, loss, backward), `update_s` (summing contributions, selective Adam), the waits, and the
-rest: `bookkeeping_s` inside the step (plans, read sets, packing, checks) and `loop_s` outside it (nerfstudio's
-trainer loop: logging, callbacks, the viewer).
+rest: `bookkeeping_s` inside the step (plans, read sets, packing, checks) and `loop_s`, nerfstudio's own work: its
+trainer loop outside the step (logging, callbacks, the viewer) and the step's call of its schedulers (`nerfstudio`).
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class WaitLog:
         self._thread = threading.get_ident()  # the render thread; another (the update thread) counts apart
         self.records: List[StepRecord] = []
         self.current = StepRecord(step=-1, rank=rank)
+        self._nerfstudio_s = 0.0  # of the current step: nerfstudio's work inside it (`nerfstudio`)
 
     def begin(self, step: int) -> StepRecord:
         now = time.perf_counter()
@@ -109,12 +110,13 @@ class WaitLog:
         self._cpu_started = time.process_time()
         self.records.append(self.current)
         self._inside = now
+        self._nerfstudio_s = 0.0
         return self.current
 
     def end_inside(self) -> None:
         """The step's own work is done (nerfstudio's loop takes over until the next `begin`)."""
         r = self.current
-        inside = time.perf_counter() - self._inside
+        inside = time.perf_counter() - self._inside - self._nerfstudio_s
         self._waited_inside = sum(r.wait_s.values())
         r.bookkeeping_s = max(0.0, inside - r.compute_s - r.update_s - self._waited_inside)
         self._inside_s = inside
@@ -147,6 +149,18 @@ class WaitLog:
         finally:
             self._depth = 0
             self._segment(cause, started)
+
+    @contextmanager
+    def nerfstudio(self) -> Iterator[None]:
+        """nerfstudio's own work that the step calls (its schedulers' step, which its trainer makes after the
+        optimizers' and one process of splatfacto makes too): counted with the loop, not the runtime's bookkeeping;
+        off the render thread (a lane's update) with the work around it."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if threading.get_ident() == self._thread:
+                self._nerfstudio_s += time.perf_counter() - started
 
     @contextmanager
     def computing(self) -> Iterator[None]:

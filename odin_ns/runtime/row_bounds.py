@@ -1,0 +1,48 @@
+"""The bounds a phase was planned with, as one table that a step's moved rows are tested against.
+
+A phase's read sets hold while every mean stays within `motion[i]` of its block's box (lo, hi) and every scale
+within exp(growth[i]) of its block's largest (`schedule.phase_planner.motion_bounds`). The owner tests the rows its
+update moved at every step, so the test is built once per phase: a row's nine bounds at step i are one gather and
+one comparison, [mean, -mean, -scales] >= [lo - motion, -(hi + motion), -scale bound (three times)]. It decides as
+the direct comparisons (mean >= lo - motion, mean <= hi + motion, the largest scale in float64 <= max_scale *
+exp(growth) in float64) do, bit for bit: negation is exact, the bounds are the same elementwise operations on the
+block table that the direct test makes on its gathered rows, the largest of three scales is within a bound exactly
+when all three are, and a float32 scale is at most a float64 bound exactly when it is at most the largest float32
+not above that bound. A NaN is outside either way. Twelve operations a step, one host read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+
+
+class RowBounds:
+    """The bounds of one phase's steps for one rank's owned rows (`row_block`: each owned row's block)."""
+
+    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, max_scale: torch.Tensor, motion: Sequence[float],
+                 growth: Sequence[float], row_block: torch.Tensor):
+        motion_t = torch.tensor(list(motion), dtype=torch.float64).to(lo.device)[:, None, None]
+        scale = max_scale.double()[None] * torch.tensor([math.exp(g) for g in growth], dtype=torch.float64,
+                                                        device=lo.device)[:, None]
+        scale32 = scale.float()  # the nearest float32; one step down where it lies above the float64 bound
+        scale32 = torch.where(scale32.double() > scale, torch.nextafter(scale32, scale32.new_tensor(-math.inf)),
+                              scale32)
+        # [steps, blocks, 9]; `lo - motion` as the direct test computes it (a float32 tensor and a Python float)
+        self.table = torch.cat([lo[None] - motion_t.float(), -(hi[None] + motion_t.float()),
+                                -scale32[..., None].expand(-1, -1, 3)], dim=2).contiguous()
+        self.sign = torch.tensor([1.0] * 3 + [-1.0] * 6, device=lo.device)
+        self.row_block = row_block
+
+    def blocks_outside(self, i: int, rows: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> List[int]:
+        """The blocks (ascending) of the rows `rows` whose mean or largest scale at step `i` of the phase lies
+        outside the bounds; one host read."""
+        blocks = self.row_block.index_select(0, rows)
+        m = means.index_select(0, rows)
+        scales = log_scales.index_select(0, rows).exp_()
+        ok = torch.cat([m, m, scales], dim=1).mul_(self.sign) >= self.table[i].index_select(0, blocks)
+        if bool(ok.all()):
+            return []
+        return sorted(set(blocks[~ok.all(dim=1)].tolist()))
