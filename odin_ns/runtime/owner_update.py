@@ -27,6 +27,7 @@ import torch
 from odin_ns.buffers import kept_rows
 from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
 from odin_ns.scene.block_refine import STATE_KEYS
+from odin_ns.scene.selective_adam import TouchedRows
 
 
 @dataclass
@@ -70,7 +71,7 @@ class OwnerUpdate:
             pos = idx if place is None else place.index_select(0, idx)
             acc.index_add_(0, pos, piece)
             radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
-        touched = torch.zeros(n_owned, dtype=torch.bool, device=self.device).index_fill_(0, rows, True) \
+        touched = TouchedRows(torch.zeros(n_owned, dtype=torch.bool, device=self.device).index_fill_(0, rows, True)) \
             if masked else None
         delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if evidence else None
         for name, (c0, c1) in zip(PARAM_NAMES, self.columns):

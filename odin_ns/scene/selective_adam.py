@@ -185,8 +185,8 @@ class SelectiveAdam(torch.optim.Optimizer):
         return before, p_r, m_r
 
     @torch.no_grad()
-    def step_touched(self, touched: Tensor, grad: Tensor, keep_before: bool = False, width: Optional[int] = None
-                     ) -> Tuple[Optional[Tensor], Tensor]:
+    def step_touched(self, touched: "Tensor | TouchedRows", grad: Tensor, keep_before: bool = False,
+                     width: Optional[int] = None) -> Tuple[Optional[Tensor], Tensor]:
         """`step_rows` on the rows `touched` ([N] bool) marks, computed in place over every row: `grad` [N, ...]
         must be zero on the rows not touched. Adam's operations run with per-row factors that are Adam's own on a
         touched row and make it a no-op on the others: m <- lerp(m, g, 0) = m, v <- v * 1 + 0, p <- p + (-0.0) / denom
@@ -195,21 +195,18 @@ class SelectiveAdam(torch.optim.Optimizer):
         factors are the scalars Adam uses, rounded to the parameter's dtype as a scalar operand is, and the step
         is written m * s / denom, the order in which `addcdiv_` evaluates value * m / denom: the same bits (tested
         against `step_rows`). Where most rows are touched this saves the gathers and scatters of p, m and v. Returns
-        the parameter's values before (a copy, if `keep_before`) and after (the parameter itself)."""
+        the parameter's values before (a copy, if `keep_before`) and after (the parameter itself). `touched` may
+        come as the step's `TouchedRows`, whose factors the parameters of one step share."""
         p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt) = self._begin_single(grad, width)
-        shape = (p.shape[0],) + (1,) * (p.dim() - 1)
-
-        def factor(on: float, off: float) -> Tensor:
-            return torch.where(touched, torch.tensor(on, dtype=p.dtype), torch.tensor(off, dtype=p.dtype)).view(shape)
-
+        mask = touched if isinstance(touched, TouchedRows) else TouchedRows(touched)
         denom, step_m = self._buffers(p, p.shape[0])[:2]
         before = p.clone() if keep_before else None
-        m.lerp_(grad, factor(1 - beta1, 0.0))
-        v.mul_(factor(beta2, 1.0)).addcmul_(grad, grad, value=1 - beta2)
+        m.lerp_(grad, mask.factor(1 - beta1, 0.0, p))
+        v.mul_(mask.factor(beta2, 1.0, p)).addcmul_(grad, grad, value=1 - beta2)
         torch.sqrt(v, out=denom)
         denom.div_(bias2_sqrt).add_(eps)
-        torch.mul(m, factor(-(lr / bias1), 0.0), out=step_m)
-        step_m.masked_fill_(~touched.view(shape), -0.0)
+        torch.mul(m, mask.factor(-(lr / bias1), 0.0, p), out=step_m)
+        step_m.masked_fill_(mask.untouched(p), -0.0)
         p.addcdiv_(step_m, denom)
         return before, p
 
@@ -246,6 +243,32 @@ class SelectiveAdam(torch.optim.Optimizer):
         between steps (`odin_ns.buffers`)."""
         self._work = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device) for buf in self._work or [None] * 4]
         return tuple(buf[:n] for buf in self._work)
+
+
+class TouchedRows:
+    """A step's touched rows as `step_touched` uses them: the mask, and the per-row factors and untouched mask
+    made once per step and shared by every parameter that needs the same ones (the moments' factors are the same
+    for parameters with the same betas; the step's factor is each parameter's own)."""
+
+    def __init__(self, touched: Tensor):
+        self.touched = touched
+        self._made: dict = {}
+
+    def factor(self, on: float, off: float, p: Tensor) -> Tensor:
+        """[N, 1, ...] like `p`: `on` on a touched row, `off` on the others, in `p`'s dtype."""
+        key = (on, off, p.dtype, p.dim())
+        if key not in self._made:
+            shape = (p.shape[0],) + (1,) * (p.dim() - 1)
+            self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=p.dtype),
+                                          torch.tensor(off, dtype=p.dtype)).view(shape)
+        return self._made[key]
+
+    def untouched(self, p: Tensor) -> Tensor:
+        key = ("untouched", p.dim())
+        if key not in self._made:
+            base = self._made.setdefault("untouched", ~self.touched)
+            self._made[key] = base.view((p.shape[0],) + (1,) * (p.dim() - 1))
+        return self._made[key]
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Optional[Tensor] = None) -> None:
