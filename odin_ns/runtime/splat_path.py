@@ -39,6 +39,7 @@ import torch
 
 from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
 from odin_ns.runtime.block_table import expand_ranges
+from odin_ns.runtime.inbox import Inbox
 from odin_ns.runtime.splat_reader import WIRE, SplatReader, splats_for
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
@@ -94,6 +95,8 @@ class SplatPath(SplatReader):
         # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
         self.early: Dict[Tuple[str, int, int], Tuple[torch.Tensor, object]] = {}
         self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, norm2d)
+        self.inbox: Optional[Inbox] = None  # throughput-first on gloo: every pair's receives posted ahead
+        self.projected_upto: Optional[int] = None  # the last update whose version this rank has projected
 
     def begin(self, plan, table, home_start: torch.Tensor) -> None:
         """A phase's arrays: each block's first row at its owner and in the whole model's block order."""
@@ -104,6 +107,10 @@ class SplatPath(SplatReader):
         # each rank's blocks, ascending (a publication counts its splats per block of the owner: the reader's keys)
         self.blocks_of = [torch.nonzero(self.owner == o).flatten() for o in range(self.env.world_size)]
         self.slot = torch.cumsum(self.mine.to(torch.int64), 0) - 1  # a block's place among this rank's blocks
+        self.projected_upto = None
+        channels = self.runtime.channels
+        self.inbox = Inbox(plan, self.env.rank, channels, self._inbox_buffer, self.early) \
+            if plan.staleness and channels is not None and channels.posts_ahead else None
 
     # ---- the owner's projections ---------------------------------------------------------------------------
 
@@ -137,6 +144,9 @@ class SplatPath(SplatReader):
                     self.steps.setdefault(step, []).append(self._project(step, update, pairs, final))
                 elif final:
                     self._touched(step, int(self._mark(step).sum()))  # no projection to read it with (rare)
+        self.projected_upto = update
+        if self.inbox is not None:  # the readers' gradients of step update+1 now have their sizes
+            self.inbox.pump()
 
     def _mark(self, step: int) -> torch.Tensor:
         if step not in self.marks:
@@ -258,6 +268,9 @@ class SplatPath(SplatReader):
             fresh.append((q, payloads[q]))
         if payloads and rt.channels is not None:
             posted += rt.channels.batch([], fresh, "transfer", wait=False)
+            if self.inbox is not None:
+                for q, _ in fresh:
+                    self.inbox.passed(q, ("G", step))
             rt.channels.wait_for(posted, "transfer")
             for q in readers:
                 rt.channels.note("G", step, q, "recv")

@@ -6,13 +6,14 @@ published block's evidence) and the splats it announces; they are kept for the s
 reader checks that the owner projected the version it decided. R: a view renders its own splats and the received
 ones in key order (the order one process renders in: a received splat's key is its block's first place in the
 whole model's block order plus its rank among the block's splats, which orders them as their Gaussians' places
-do). G: the gradients of each owner's splats go back in the order they came. At the exact policies, the receives
-of the next messages on every pair are posted as soon as the list's order allows (`_post_ahead`).
+do). G: the gradients of each owner's splats go back in the order they came. On gloo the receives of the next
+messages on every pair are posted before they are needed: at the exact policies as their lists' order allows
+(`_post_ahead`), at throughput-first in each pair's order as their sizes become known (`runtime.inbox`).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,11 +54,14 @@ class SplatReader:
         n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
         n_blocks = [len(self.blocks_of[o]) for o, _ in pubs]
         early = [self.early.pop(("P", u, o), None) for o, u in pubs]
-        headers = [e[0] if e is not None else
-                   torch.empty(sum(s) * (1 + nb) + n, dtype=torch.int64, device=self.device)
-                   for e, s, n, nb in zip(early, shapes, n_ev, n_blocks)]
-        rt.channels.batch([], [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None], "validate")
-        rt.channels.wait_for([e[1] for e in early if e is not None and e[1] is not None], "validate")
+        headers = [e[0] if e is not None else self._header(o, u) for e, (o, u) in zip(early, pubs)]
+        fresh = [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None]
+        posted = rt.channels.batch([], fresh, "validate", wait=False)
+        if self.inbox is not None:
+            for (o, u), e in zip(pubs, early):
+                if e is None:
+                    self.inbox.passed(o, ("P", u))
+        rt.channels.wait_for(posted + [e[1] for e in early if e is not None and e[1] is not None], "validate")
         for o, u in pubs:
             rt.channels.note("P", u, o, "recv")
         values = (torch.cat(headers) if len(headers) > 1 else headers[0]).tolist()  # the one host read
@@ -78,11 +82,32 @@ class SplatReader:
             n = sum(c for per_step in counts for c in per_step if c > 0)
             out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device), per_block))
         posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
+        if self.inbox is not None:  # the pair's next receives, as far as their sizes are known
+            for o, u in pubs:
+                self.inbox.passed(o, ("p", u))
         if not plan.staleness and rt.channels.posts_ahead:  # on every pair, the next messages' receives go after
             # these, before they are needed
             self._post_ahead(pubs[0][1] + 1)
         rt.channels.wait_for(posted, "validate")
         return out
+
+    def _header(self, owner: int, update: int) -> torch.Tensor:
+        """The receive buffer of a publication's header: per step of its window, each of this rank's views' splat
+        count and its counts per block of the owner; throughput-first's evidence, a number per block published."""
+        me, plan = self.env.rank, self.plan
+        views = sum(len(plan.rank_views(t, me)) for t in plan.window(update))
+        evidence = len(plan.pub_blocks(update, owner, me)) if plan.staleness else 0
+        return torch.empty(views * (1 + len(self.blocks_of[owner])) + evidence, dtype=torch.int64, device=self.device)
+
+    def _inbox_buffer(self, peer: int, item) -> Optional[torch.Tensor]:
+        """`Inbox`'s sizes: a header's from the plan; a reader's gradients of a step once every projection of the
+        step is made (after update step-1), as many as the splats projected for it."""
+        kind, step = item
+        if kind == "P":
+            return self._header(peer, step)
+        if self.projected_upto is None or self.projected_upto < step - 1:
+            return None
+        return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), device=self.device)
 
     def _post_ahead(self, step: int) -> None:
         """Exact policies, after posting the receives of step `step`'s publications: post the receives of the
@@ -97,10 +122,7 @@ class SplatReader:
             recvs.append((("G", step, q), q, torch.empty((splats_for(projections, q), self.grad_width),
                                                           device=self.device)))
         if plan.contains(step + 1):
-            mb = len(plan.rank_views(step + 1, me))
-            recvs += [(("P", step, o), o, torch.empty(mb * (1 + len(self.blocks_of[o])), dtype=torch.int64,
-                                                      device=self.device))
-                      for o in plan.deps(step + 1, me)]
+            recvs += [(("P", step, o), o, self._header(o, step)) for o in plan.deps(step + 1, me)]
         works = iter(rt.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
         for key, _, t in recvs:  # a receive of nothing is not posted
             self.early[key] = (t, next(works) if t.numel() else None)

@@ -82,6 +82,8 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         **bytes_per_pair(records),
         "read_set_misses": sum(r.get("read_set_misses", 0) for r in records),
         "misses_handled": sum(r.get("misses_handled", 0) for r in records),
+        "receives": sum(r.get("receives", 0) for r in records),
+        "receives_ahead": sum(r.get("receives_ahead", 0) for r in records),
         "plan_violations": sum(r.get("plan_violations", 0) for r in records),
         "phases": sum(1 for r in records if r.get("phase_start") and r["rank"] == 0),
         "runtime_ops_per_step": _mean(r["runtime_ops"] for r in records if r.get("runtime_ops") is not None),

@@ -116,6 +116,7 @@ class Channels:
             return []
         works = dist.batch_isend_irecv(ops)
         self.log.add_traffic(sent, received, kind)
+        self.log.current.receives += len(recv_ops)
         if len(works) != len(ops):  # NCCL coalesces a batch: its works complete together, sends and receives
             self._pending += [(work, [op.tensor for op in ops]) for work in works]
             posted = list(works) if recv_ops else []

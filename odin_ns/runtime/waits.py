@@ -43,6 +43,8 @@ class StepRecord:
     # bytes sent by what they carry: "P" (reads: rows or splats to the readers), "G" (gradients to the owners)
     bytes_by_kind: Dict[str, int] = field(default_factory=dict)
     remote_pairs: int = 0  # visible (view, Gaussian of another rank) pairs this rank's views rendered
+    receives: int = 0  # receives the rank posted in the step
+    receives_ahead: int = 0  # of them, posted before a handler needed them (`runtime.inbox`, throughput-first)
     # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the step's message
     # buffers (sent and received); no rank holds another rank's rows
     resident_bytes: int = 0
@@ -80,6 +82,7 @@ class StepRecord:
             "wall_s": self.wall_s, "started": self.started, "cpu_s": self.cpu_s,
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
+            "receives": self.receives, "receives_ahead": self.receives_ahead,
             "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
             "projection_bytes": self.projection_bytes,
             "gaussians_owned": self.gaussians_owned,
