@@ -92,6 +92,8 @@ def test_ranks_equal_one_process_on_city(runs, ranks):
     assert odin_stats["summary"]["wait_s"]["barrier"] == 0.0 < barrier_stats["summary"]["wait_s"]["barrier"]
     assert odin_stats["summary"]["read_set_misses"] == 0
     assert odin_stats["summary"]["phases"] >= 3, "the compared steps should span several phases"
+    for s in (odin_stats, barrier_stats):  # gloo: every header and gradient received into a buffer posted ahead
+        assert s["summary"]["receives_ahead"] >= s["summary"]["receives"] / 2 > 0, s["summary"]["receives"]
     if ranks == 3:  # the most held by projections: one pair's graph at the update against a whole step's
         again, kept = (s["summary"]["peak_projection_bytes_per_rank"] for s in (odin_stats, barrier_stats))
         assert all(0 < a < 0.75 * k for a, k in zip(again, kept)), (again, kept)

@@ -1,20 +1,19 @@
-"""Throughput-first's receives, posted in each pair's order as soon as their sizes are known.
+"""A rank's receives, posted in each pair's order as soon as their sizes are known.
 
 On gloo a message moves when both sides have posted it, and a receive posted while the transport's thread is busy
 with the pair waits for it: a receive posted only when its step needs it costs the reader that wait (measured on
 2 CPU ranks of the city: `irecv` about 2 ms a call on a rank whose lane posted every receive on demand, 0.1-0.5 ms
-where the exact policies post theirs ahead). Every message a pair carries into this rank is in its sender's list,
-in the order the sender's lane runs it (one lane posts all of a rank's messages): for each of the sender's
-actions toward this rank, a G (its views' splat gradients of a step) or a P (a publication: its header, then its
-splats). So the order of a pair's receives is data: this class walks it and posts each receive once the ones
-before it on the pair are posted and its size is known: a header's from the plan, a G's once this rank has made
-every projection of its step (`known`), a publication's splats only by the reader that read its header
-(`passed`). A receive the handlers post themselves (`passed`) must be the pair's next: out of order, the run
-stops with an error instead of pairing a message with the wrong buffer.
+where the exact policies posted theirs ahead). Every message a pair carries into this rank is in its sender's list,
+in the order the sender runs it (the interpreter, or throughput-first's one lane, posts all of a rank's messages
+in list order): for each of the sender's actions toward this rank, a G (its views' splat gradients of a step) or
+a P (a publication: its header, then its splats). So the order of a pair's receives is data: this class walks it
+and posts each receive once the ones before it on the pair are posted and its size is known: a header's from the
+plan, a G's once this rank has made every projection of its step, a publication's splats only by the reader that
+read its header (`passed`). A receive the handlers post themselves (`passed`) must be the pair's next: out of
+order, the run stops with an error instead of pairing a message with the wrong buffer.
 
 Gloo only (`Channels.posts_ahead`): NCCL runs a rank's point-to-point batches in order on one stream, where a
-receive posted early holds up the rank's own later sends. The exact policies post theirs ahead through
-`SplatReader._post_ahead`, whose order their lists fix without a walk.
+receive posted early holds up the rank's own later sends.
 Written here: torch.distributed has no notion of a list's order.
 """
 

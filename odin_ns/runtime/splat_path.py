@@ -91,11 +91,11 @@ class SplatPath(SplatReader):
         self.received: Dict[int, Dict[int, tuple]] = {}  # step -> owner -> (version, per view its splat count,
         # splats, per view its splat count per block of the owner)
         self.grads_out: Dict[int, Dict[int, List[torch.Tensor]]] = {}  # step -> owner -> per view [n, G]
-        # receives posted before they are needed (exact policies): ("P", update, owner) -> a publication's header,
+        # receives posted before they are needed (`runtime.inbox`): ("P", update, owner) -> a publication's header,
         # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
         self.early: Dict[Tuple[str, int, int], Tuple[torch.Tensor, object]] = {}
         self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, norm2d)
-        self.inbox: Optional[Inbox] = None  # throughput-first on gloo: every pair's receives posted ahead
+        self.inbox: Optional[Inbox] = None  # on gloo: every pair's receives posted ahead
         self.projected_upto: Optional[int] = None  # the last update whose version this rank has projected
 
     def begin(self, plan, table, home_start: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ class SplatPath(SplatReader):
         self.projected_upto = None
         channels = self.runtime.channels
         self.inbox = Inbox(plan, self.env.rank, channels, self._inbox_buffer, self.early) \
-            if plan.staleness and channels is not None and channels.posts_ahead else None
+            if channels is not None and channels.posts_ahead else None
 
     # ---- the owner's projections ---------------------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class SplatPath(SplatReader):
         cols = self.grad_columns.shape[0]
         payloads, fresh, posted = {}, [], []
         for q in readers:
-            early = self.early.pop(("G", step, q), None)  # posted before the render (`_post_ahead`)
+            early = self.early.pop(("G", step, q), None)  # posted ahead (`runtime.inbox`)
             if early is not None:
                 payloads[q] = early[0]
                 posted += [early[1]] if early[1] is not None else []

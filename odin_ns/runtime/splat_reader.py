@@ -6,9 +6,8 @@ published block's evidence) and the splats it announces; they are kept for the s
 reader checks that the owner projected the version it decided. R: a view renders its own splats and the received
 ones in key order (the order one process renders in: a received splat's key is its block's first place in the
 whole model's block order plus its rank among the block's splats, which orders them as their Gaussians' places
-do). G: the gradients of each owner's splats go back in the order they came. On gloo the receives of the next
-messages on every pair are posted before they are needed: at the exact policies as their lists' order allows
-(`_post_ahead`), at throughput-first in each pair's order as their sizes become known (`runtime.inbox`).
+do). G: the gradients of each owner's splats go back in the order they came. On gloo the receives of every pair are
+posted before they are needed, in the pair's order, as their sizes become known (`runtime.inbox`).
 """
 
 from __future__ import annotations
@@ -85,9 +84,6 @@ class SplatReader:
         if self.inbox is not None:  # the pair's next receives, as far as their sizes are known
             for o, u in pubs:
                 self.inbox.passed(o, ("p", u))
-        if not plan.staleness and rt.channels.posts_ahead:  # on every pair, the next messages' receives go after
-            # these, before they are needed
-            self._post_ahead(pubs[0][1] + 1)
         rt.channels.wait_for(posted, "validate")
         return out
 
@@ -108,24 +104,6 @@ class SplatReader:
         if self.projected_upto is None or self.projected_upto < step - 1:
             return None
         return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), device=self.device)
-
-    def _post_ahead(self, step: int) -> None:
-        """Exact policies, after posting the receives of step `step`'s publications: post the receives of the
-        next messages every pair brings this rank, in the order the lists send them: the readers' splat gradients
-        of `step` (U waits for them; their sizes are the splats this rank projected for them) and the headers of
-        the owners' publications for step+1 (W of step+1). A sender's send then completes when it is posted. Only
-        where the transport allows it (`Channels.posts_ahead`: gloo)."""
-        me, plan, rt = self.env.rank, self.plan, self.runtime
-        recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
-        projections = self.steps.get(step, [])
-        for q in plan.readers(step, me):
-            recvs.append((("G", step, q), q, torch.empty((splats_for(projections, q), self.grad_width),
-                                                          device=self.device)))
-        if plan.contains(step + 1):
-            recvs += [(("P", step, o), o, self._header(o, step)) for o in plan.deps(step + 1, me)]
-        works = iter(rt.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
-        for key, _, t in recvs:  # a receive of nothing is not posted
-            self.early[key] = (t, next(works) if t.numel() else None)
 
     def accept(self, owner: int, update: int, raw: tuple) -> None:
         """Keep a publication's splats for the steps whose read takes its version."""
