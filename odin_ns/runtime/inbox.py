@@ -79,8 +79,3 @@ class Inbox:
                                    f"{items[i] if i < len(items) else 'nothing more'} next")
         self.at[peer] = i + 1
         self.pump([peer])
-
-    def next_is(self, peer: int, item: Item) -> bool:
-        """Whether `item` is the next receive on `peer`'s pair that is not posted."""
-        items, i = self.order[peer], self.at[peer]
-        return i < len(items) and items[i] == item

@@ -260,6 +260,9 @@ class SplatPath(SplatReader):
         for q in readers:
             early = self.early.pop(("G", step, q), None)  # posted ahead (`runtime.inbox`)
             if early is not None:
+                if early[0].shape[0] != splats_for(projections, q):
+                    raise RuntimeError(f"rank {q}'s gradients of step {step}: a receive for {early[0].shape[0]} "
+                                       f"splats was posted ahead where {splats_for(projections, q)} were projected")
                 payloads[q] = early[0]
                 posted += [early[1]] if early[1] is not None else []
                 continue
@@ -277,13 +280,16 @@ class SplatPath(SplatReader):
         # each projection's splat gradients, its pairs' parts in span order (the reference order within it): a
         # view of this rank's own gradients as they are, a remote one with the columns that did not travel zero
         parts = {id(sp): ([], []) for sp in projections}
+        filled = dict.fromkeys(parts, 0)  # each projection's splats covered so far
         own = self.own_grads.pop(step, {})
         offsets = dict.fromkeys(payloads, 0)
         for q, j in order:
             sp = where[(q, j)]
             a, b = sp.span((q, j))
             got, norms = parts[id(sp)]
-            assert a == sum(t.shape[0] for t in got), "a projection's pairs out of span order"
+            if a != filled[id(sp)]:
+                raise RuntimeError(f"step {step}: the pairs of a projection are not in its span order at {(q, j)}")
+            filled[id(sp)] = b
             if q == me:
                 grad, norm = own[j]
             else:

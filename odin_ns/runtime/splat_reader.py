@@ -103,7 +103,8 @@ class SplatReader:
             return self._header(peer, step)
         if self.projected_upto is None or self.projected_upto < step - 1:
             return None
-        return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), device=self.device)
+        return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), dtype=torch.float32,
+                           device=self.device)
 
     def accept(self, owner: int, update: int, raw: tuple) -> None:
         """Keep a publication's splats for the steps whose read takes its version."""

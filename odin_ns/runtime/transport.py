@@ -75,7 +75,8 @@ class Channels:
     named cause. With recording on, every message is noted as (kind, step, peer, "send"/"recv") in posting order
     (payloads and headers of one message count once, as the header's).
 
-    `batch(..., wait=False)` only posts the receives (`wait_for` them later), where `posts_ahead` allows it.
+    `batch(..., wait=False)` only posts the receives (`wait_for` them later; before they are needed only where
+    `posts_ahead` allows it).
 
     The channels have a process group of their own (`group`: every rank, made once at start-up): whole-model
     gathers and collectives in the middle of a phase (the viewer's refresh, an evaluation) run on the default group

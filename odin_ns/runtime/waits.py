@@ -44,7 +44,7 @@ class StepRecord:
     bytes_by_kind: Dict[str, int] = field(default_factory=dict)
     remote_pairs: int = 0  # visible (view, Gaussian of another rank) pairs this rank's views rendered
     receives: int = 0  # receives the rank posted in the step
-    receives_ahead: int = 0  # of them, posted before a handler needed them (`runtime.inbox`, throughput-first)
+    receives_ahead: int = 0  # of them, posted before a handler needed them (`runtime.inbox`)
     # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the step's message
     # buffers (sent and received); no rank holds another rank's rows
     resident_bytes: int = 0
@@ -156,8 +156,9 @@ class WaitLog:
     @contextmanager
     def nerfstudio(self) -> Iterator[None]:
         """nerfstudio's own work that the step calls (its schedulers' step, which its trainer makes after the
-        optimizers' and one process of splatfacto makes too): counted with the loop, not the runtime's bookkeeping;
-        off the render thread (a lane's update) with the work around it."""
+        optimizers' and one process of splatfacto makes too): counted with the loop, not the runtime's bookkeeping.
+        Off the render thread (a lane's update on a thread) the step's parts do not count it, as they do not count
+        the rest of the lane's time outside its updates and renders."""
         started = time.perf_counter()
         try:
             yield

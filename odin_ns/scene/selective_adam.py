@@ -256,7 +256,7 @@ class TouchedRows:
 
     def factor(self, on: float, off: float, p: Tensor) -> Tensor:
         """[N, 1, ...] like `p`: `on` on a touched row, `off` on the others, in `p`'s dtype."""
-        key = (on, off, p.dtype, p.dim())
+        key = (repr(on), repr(off), p.dtype, p.dim())  # repr: -0.0 is not 0.0 here
         if key not in self._made:
             shape = (p.shape[0],) + (1,) * (p.dim() - 1)
             self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=p.dtype),
