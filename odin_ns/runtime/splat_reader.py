@@ -48,12 +48,10 @@ class SplatReader:
         """Publications (owner, update) off the channels: headers in one batch, one host read, payloads in one
         batch. Returns (the views' counts per step of the window, evidence, payload, the views' counts per block of
         the owner per step) per publication."""
-        me, plan, rt = self.env.rank, self.plan, self.runtime
-        shapes = [[len(plan.rank_views(t, me)) for t in plan.window(u)] for _, u in pubs]
-        n_ev = [len(plan.pub_blocks(u, o, me)) if plan.staleness else 0 for o, u in pubs]
-        n_blocks = [len(self.blocks_of[o]) for o, _ in pubs]
+        rt = self.runtime
+        layouts = [self._header_layout(o, u) for o, u in pubs]
         early = [self.early.pop(("P", u, o), None) for o, u in pubs]
-        headers = [e[0] if e is not None else self._header(o, u) for e, (o, u) in zip(early, pubs)]
+        headers = [e[0] if e is not None else self._header(layout) for e, layout in zip(early, layouts)]
         fresh = [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None]
         posted = rt.channels.batch([], fresh, "validate", wait=False)
         if self.inbox is not None:
@@ -65,7 +63,7 @@ class SplatReader:
             rt.channels.note("P", u, o, "recv")
         values = (torch.cat(headers) if len(headers) > 1 else headers[0]).tolist()  # the one host read
         out, at = [], 0
-        for (o, u), shape, e, nb in zip(pubs, shapes, n_ev, n_blocks):
+        for (o, u), (shape, e, nb) in zip(pubs, layouts):
             counts, per_block = [], []
             for mb in shape:
                 counts.append(values[at:at + mb])
@@ -87,20 +85,26 @@ class SplatReader:
         rt.channels.wait_for(posted, "validate")
         return out
 
-    def _header(self, owner: int, update: int) -> torch.Tensor:
-        """The receive buffer of a publication's header: per step of its window, each of this rank's views' splat
-        count and its counts per block of the owner; throughput-first's evidence, a number per block published."""
+    def _header_layout(self, owner: int, update: int) -> Tuple[List[int], int, int]:
+        """A publication's header: per step of its window, each of this rank's views' splat count and its counts
+        per block of the owner; throughput-first's evidence, a number per block published. (This rank's views per
+        step of the window, the evidence's length, the owner's block count.)"""
         me, plan = self.env.rank, self.plan
-        views = sum(len(plan.rank_views(t, me)) for t in plan.window(update))
+        views = [len(plan.rank_views(t, me)) for t in plan.window(update)]
         evidence = len(plan.pub_blocks(update, owner, me)) if plan.staleness else 0
-        return torch.empty(views * (1 + len(self.blocks_of[owner])) + evidence, dtype=torch.int64, device=self.device)
+        return views, evidence, len(self.blocks_of[owner])
+
+    def _header(self, layout: Tuple[List[int], int, int]) -> torch.Tensor:
+        """The receive buffer of a publication's header of `_header_layout`."""
+        views, evidence, n_blocks = layout
+        return torch.empty(sum(views) * (1 + n_blocks) + evidence, dtype=torch.int64, device=self.device)
 
     def _inbox_buffer(self, peer: int, item) -> Optional[torch.Tensor]:
         """`Inbox`'s sizes: a header's from the plan; a reader's gradients of a step once every projection of the
         step is made (after update step-1), as many as the splats projected for it."""
         kind, step = item
         if kind == "P":
-            return self._header(peer, step)
+            return self._header(self._header_layout(peer, step))
         if self.projected_upto is None or self.projected_upto < step - 1:
             return None
         return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), dtype=torch.float32,
