@@ -6,16 +6,16 @@ test) and takes its own program of the phase from the policy registry (`schedule
 seams run the program step by step (`runtime.interpreter`): `validate` the actions before the step's renders
 (the owners' splats in), `render` its views, `publish` what follows (the splats' gradients out, the owners' update,
 the next reads' splats out, odin-barrier's barrier); throughput-first runs its communication on a lane beside the
-renders (`runtime.lane`). What travels is splats (`runtime.splat_path`); the state the handlers share is
-`runtime.rank_runtime`, reads behind are `runtime.admission`; phases are planned by `schedule.phase_planner`;
-phase boundaries (densify, prune, cut, rebalance, the table's sync) are `runtime.boundary`, checkpoints in and out
-`runtime.whole_model`, the read sets' check `runtime.read_set_check`. The result does not depend on how many ranks
-share the global batch: N ranks with one view each equal one rank with a micro-batch of N views, bit for bit.
+renders (`runtime.lane`; its decisions `runtime.lane_decisions`). What travels is splats (`runtime.splat_path`);
+the state the handlers share is `runtime.rank_runtime`, reads behind are `runtime.admission`; phases are planned
+by `schedule.phase_planner`; phase boundaries (densify, prune, cut, rebalance, the table's sync) are
+`runtime.boundary`, checkpoints in and out `runtime.whole_model`, the read sets' check `runtime.read_set_check`.
+The result does not depend on how many ranks share the global batch: N ranks with one view each equal one rank
+with a micro-batch of N views, bit for bit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -34,6 +34,7 @@ from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.fault_injection import FaultInjection
 from odin_ns.runtime.interpreter import Program, StepContext
 from odin_ns.runtime.lane import Lane, resolve_lane
+from odin_ns.runtime.lane_decisions import LaneDecisions
 from odin_ns.runtime.op_count import OpCounter
 from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.read_set_check import ReadSetCheck
@@ -50,7 +51,7 @@ from odin_ns.schedule.policies import POLICIES
 SENT_KEY = "odin/lane/gradients-sent/"  # the inline lanes' notes in the job's store (runtime/sent_marks.py)
 
 
-class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
+class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
     """Owns the distributed state of one rank and runs its training steps: plans each phase, runs the rank's
     program of the phase at the pipeline's seams (validate, render, publish), and the phase boundaries."""
 
@@ -173,11 +174,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
         self.program = Program(self.plan.actions(me), me, self.plan.start, self.plan.stop)
         if self.recorder is not None:
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
-        self.lane = None
-        if self.staleness and self.env.distributed:
-            self.own_pos = step - 1  # throughput-first: the version of its own blocks its last read took
-            self.lane = Lane(self.program, dict(self.handlers, decide=self._decide_read, probe=self._lane_probe),
-                             name=f"odin-lane-r{me}", mode=self.lane_mode)
+        self.lane = self._new_lane(step) if self.staleness and self.env.distributed else None
 
     def _end_phase(self, step: int, optimizers) -> None:
         """A global synchronization point: every send taken, the table synced, then any structural change."""
@@ -335,31 +332,3 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck):
             self.fault.apply(self, step, params)
             runtime.check_envelope(step + 1, self._visible)
             self.splats.project_update(step)
-
-    # throughput-first: the lane's decisions (the communication lane)
-
-    def _decide_read(self, action, until: int) -> bool:
-        """A W of the lane: whether its read is decided with the publications up to update `until`."""
-        step, me = action.step, self.env.rank
-        if action.peer != me:
-            return self.runtime.take_admitted(step, action.peer, until)
-        version = self.runtime.own_admitted(step, self.own_pos, until)
-        if version is None:
-            return False
-        self.own_pos = version
-        self.splats.check_read(step, me, version)
-        return True
-
-    def _lane_waiting(self, cause: str):
-        """Around a call into the lane: on a thread, the rank waits for it (`cause`); inline, the lane runs on the
-        rank's thread and its own waits, update and packing count as what they are."""
-        return self.log.waiting(cause) if self.lane_mode == "thread" else contextlib.nullcontext()
-
-    def _lane_probe(self, action) -> bool:
-        """Inline: whether every reader of the rank's blocks at `action.step` has sent its gradients of that step
-        (each rank notes the last step whose gradients it sent, `SentMarks`; the gradients are on the pair after
-        every earlier message, so the update would not wait). Which way it goes changes when the
-        update runs, never what it computes nor what any render reads."""
-        return self._sent.all_sent(self.plan.readers(action.step, self.env.rank), action.step)
-
-

@@ -65,8 +65,7 @@ class Inbox:
             self.at[peer] = i
         if not recvs:
             return
-        works = iter(self.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False))
-        self.channels.log.current.receives_ahead += sum(1 for _, _, t in recvs if t.numel())
+        works = iter(self.channels.batch([], [(peer, t) for _, peer, t in recvs], "validate", wait=False, ahead=True))
         for key, _, t in recvs:  # a receive of nothing is not posted
             self.early[key] = (t, next(works) if t.numel() else None)
 

@@ -1,7 +1,7 @@
 """Which step's gradients each rank has sent: the inline lane's probe, read without a round trip where it can be.
 
 Throughput-first's inline lane asks, before an update, whether every reader of the rank's blocks has already sent
-its gradients of that step (`OdinEngine._lane_probe`); each rank notes the last step whose gradients it sent. The
+its gradients of that step (`LaneDecisions._lane_probe`); each rank notes the last step whose gradients it sent. The
 job's key-value store (torch.distributed's TCPStore) carries a note to every rank at a round trip per note and per
 question: about 0.4 ms a step and rank in a profile of a 2-rank CPU run. Ranks on one host share their notes
 through shared memory instead: each rank writes its note into a file of 8 bytes of its own (mapped, an aligned

@@ -94,6 +94,7 @@ class SplatPath(SplatReader):
         # receives posted before they are needed (`runtime.inbox`): ("P", update, owner) -> a publication's header,
         # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
         self.early: Dict[Tuple[str, int, int], Tuple[torch.Tensor, object]] = {}
+        self.layouts: Dict[Tuple[int, int], tuple] = {}  # (owner, update) -> the layout of a header posted ahead
         self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, norm2d)
         self.inbox: Optional[Inbox] = None  # on gloo: every pair's receives posted ahead
         self.projected_upto: Optional[int] = None  # the last update whose version this rank has projected
@@ -108,6 +109,7 @@ class SplatPath(SplatReader):
         self.blocks_of = [torch.nonzero(self.owner == o).flatten() for o in range(self.env.world_size)]
         self.slot = torch.cumsum(self.mine.to(torch.int64), 0) - 1  # a block's place among this rank's blocks
         self.projected_upto = None
+        self.layouts.clear()
         channels = self.runtime.channels
         self.inbox = Inbox(plan, self.env.rank, channels, self._inbox_buffer, self.early) \
             if channels is not None and channels.posts_ahead else None

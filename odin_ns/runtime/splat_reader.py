@@ -49,7 +49,7 @@ class SplatReader:
         batch. Returns (the views' counts per step of the window, evidence, payload, the views' counts per block of
         the owner per step) per publication."""
         rt = self.runtime
-        layouts = [self._header_layout(o, u) for o, u in pubs]
+        layouts = [self.layouts.pop((o, u), None) or self._header_layout(o, u) for o, u in pubs]
         early = [self.early.pop(("P", u, o), None) for o, u in pubs]
         headers = [e[0] if e is not None else self._header(layout) for e, layout in zip(early, layouts)]
         fresh = [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None]
@@ -103,8 +103,9 @@ class SplatReader:
         """`Inbox`'s sizes: a header's from the plan; a reader's gradients of a step once every projection of the
         step is made (after update step-1), as many as the splats projected for it."""
         kind, step = item
-        if kind == "P":
-            return self._header(self._header_layout(peer, step))
+        if kind == "P":  # its layout kept for the parsing (`receive`)
+            layout = self.layouts[(peer, step)] = self._header_layout(peer, step)
+            return self._header(layout)
         if self.projected_upto is None or self.projected_upto < step - 1:
             return None
         return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), dtype=torch.float32,

@@ -94,10 +94,11 @@ class Channels:
             self.record.append([kind, int(step), int(peer), direction])
 
     def batch(self, sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]],
-              cause: str, kind: str | None = None, wait: bool = True) -> List[dist.Work]:
+              cause: str, kind: str | None = None, wait: bool = True, ahead: bool = False) -> List[dist.Work]:
         """Post the sends and receives together and wait for the receives (`cause`); `kind` names what the sends
         carry in the traffic accounts (P or G). With `wait` False the receives are only posted (before they are
-        needed, so that their senders' sends complete at once): `wait_for` the returned works later."""
+        needed, so that their senders' sends complete at once): `wait_for` the returned works later; `ahead`: they
+        are posted before a handler needs them (counted as `receives_ahead`)."""
         ops: List[dist.P2POp] = []
         sent = received = 0
         for peer, tensor in sends:
@@ -118,6 +119,8 @@ class Channels:
         works = dist.batch_isend_irecv(ops)
         self.log.add_traffic(sent, received, kind)
         self.log.current.receives += len(recv_ops)
+        if ahead:
+            self.log.current.receives_ahead += len(recv_ops)
         if len(works) != len(ops):  # NCCL coalesces a batch: its works complete together, sends and receives
             self._pending += [(work, [op.tensor for op in ops]) for work in works]
             posted = list(works) if recv_ops else []
