@@ -28,7 +28,7 @@ def test_a_link_delays_each_message_by_its_bytes_and_a_rank_sends_one_after_anot
     assert math.isclose(slow.wall_s, free.wall_s + 0.2 * (10 + 9), rel_tol=1e-9), slow.wall_s
     assert slow.busy_s == free.busy_s
     # rank 0 sends two messages at once: the second leaves when the first is on the other side
-    lists = {0: [parse_action("G b1->r1", 10), parse_action("G b2,b3->r2", 10)],
+    lists = {0: [parse_action("G s0 b1->r1", 10), parse_action("G s0 b2,b3->r2", 10)],
              1: [parse_action("U b1", 10)], 2: [parse_action("U b2,b3", 10)]}
     ends = simulate_phase(lists, 10, sized, [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     assert ends == pytest.approx([0.0, 0.1, 0.3], abs=1e-12)
@@ -119,7 +119,7 @@ def test_the_splat_data_path_prices_one_splat_per_view_and_gaussian_seen():
     def priced(path):
         costs = gpu_costs([plan], [1.0] * views, [1.0] * views, counts, 1.0, GPUS["h200"], link("pcie"), visible,
                           data_path=path)
-        return (costs.message_bytes(0, parse_action("G b2,b3->r1", 4)),
+        return (costs.message_bytes(0, parse_action("G s0 b2,b3->r1", 4)),
                 costs.message_bytes(1, parse_action("P b2,b3->r0", 4)))
 
     assert SPLAT_BYTES <= 48 and SPLAT_GRAD_BYTES <= 48  # the targets per pair, each way

@@ -4,8 +4,8 @@ Each rank of a run records, when ODIN_NS_RECORD_MESSAGES is set (conftest sets i
 every phase (the action lists the simulator replays and `odin-schedule --actions` prints) and every message it
 posted, in order (`runtime.transport.Channels`). For each policy's run on the shared city:
 - the sends are the lists' G and P actions, in list order;
-- exact policies: the receives are, in list order, one publication of update t-1 per W of step t and one gradient
-  message per reader of the step at each U (the readers: the ranks whose lists send G to this rank);
+- exact policies: the receives are, in list order, one publication of update t-1 per W of step t and, at each U,
+  one gradient message per G action of the step that another rank's list sends this rank (one per view);
 - throughput-first: its lane receives as the evidence decides, but exactly the lists' messages: from each owner the
   publications the owner's lists address to the rank, in order, and at each U the gradients of that step's readers;
 - every pair of ranks: the messages one rank sent the other, in order, are the messages the other received from it,
@@ -43,11 +43,17 @@ def program_actions(record):
     return out
 
 
-@pytest.mark.parametrize("method", ["odin-barrier", "odin", "odin-throughput"])
-def test_the_messages_of_a_run_are_its_action_lists(runs, method):
-    records = recorded(city(runs, 2, method, *([] if method == "odin" else KEEP)))  # the runs other tests check
+@pytest.mark.parametrize("method,micro_batch", [("odin-barrier", 1), ("odin", 1), ("odin-throughput", 1),
+                                                ("odin", 2), ("odin-throughput", 2)])
+def test_the_messages_of_a_run_are_its_action_lists(runs, method, micro_batch):
+    # the runs other tests check (two views a rank: a view's gradients leave before the next view renders, or on
+    # throughput-first's lane after both)
+    extra = [] if method == "odin" or micro_batch > 1 else KEEP
+    records = recorded(city(runs, 2, method, *extra, micro_batch=micro_batch))
     phases = [program_actions(r) for r in records]
     assert len(phases[0]) == len(phases[1]) >= 3
+    if micro_batch > 1:
+        assert any(a.kind == "G" and a.slot == 1 for phase in phases[0] for a in phase)
     for rank, record in enumerate(records):
         messages = [tuple(m) for m in record["messages"]]
         sends = [m for m in messages if m[3] == "send"]
@@ -65,9 +71,9 @@ def test_the_messages_of_a_run_are_its_action_lists(runs, method):
             gradients = []
             for p, phase in enumerate(phases[rank]):
                 for a in phase:
-                    if a.kind == "U" and any(b.kind == "G" and b.step == a.step and b.peer == rank
-                                             for b in phases[other][p]):
-                        gradients.append(("G", a.step, other, "recv"))
+                    if a.kind == "U":  # one message per G of the step the other's list sends this rank
+                        gradients += [("G", a.step, other, "recv") for b in phases[other][p]
+                                      if b.kind == "G" and b.step == a.step and b.peer == rank]
             assert [m for m in messages if m[3] == "recv" and m[0] == "G"] == gradients, \
                 f"rank {rank}: gradients received"
             continue
@@ -76,9 +82,9 @@ def test_the_messages_of_a_run_are_its_action_lists(runs, method):
             for a in phase:
                 if a.kind == "W":
                     wanted.append(("P", a.step - 1, a.peer, "recv"))
-                elif a.kind == "U":
-                    readers = {b.peer for b in phases[other][p] if b.kind == "G" and b.step == a.step}
-                    wanted += [("G", a.step, other, "recv")] if rank in readers else []
+                elif a.kind == "U":  # one message per G of the step the other's list sends this rank
+                    wanted += [("G", a.step, other, "recv") for b in phases[other][p]
+                               if b.kind == "G" and b.step == a.step and b.peer == rank]
                 elif a.kind in "GP":
                     wanted.append((a.kind, a.step, a.peer, "send"))
         assert messages == wanted, f"rank {rank}: the messages are not the lists in order"
@@ -111,12 +117,24 @@ def test_the_prediction_replays_the_lists_the_runtime_ran(runs, method):
 
 
 def test_a_failing_handler_names_the_rank_the_phase_and_the_action():
-    program = Program([Action("R", 4, view=2), Action("G", 4, 1, (3,)), Action("U", 4, blocks=(0,))], rank=1,
-                      start=3, stop=6)
+    program = Program([Action("R", 4, view=2), Action("G", 4, 1, (3,), slot=0), Action("U", 4, blocks=(0,))],
+                      rank=1, start=3, stop=6)
     assert [a.kind for a in program.renders[4]] == ["R"] and [a.kind for a in program.post[4]] == ["G", "U"]
 
     def broken(group, ctx):
         raise ValueError(f"no such block at step {ctx.step}")
 
-    with pytest.raises(ActionError, match=r"rank 1, phase 3-5, step 4: G b3->r1: ValueError: no such block at step 4"):
+    with pytest.raises(ActionError, match=r"rank 1, phase 3-5, step 4: G s0 b3->r1: ValueError: no such block at st"):
         program.run(program.post[4], defaultdict(lambda: lambda group, ctx: None, G=broken), StepContext(4, None))
+
+
+def test_a_views_gradients_run_between_its_render_and_the_next():
+    """An exact list sends a view's gradients before the next view renders: the program cuts them out between the
+    renders; the last view's go with the update."""
+    acts = [Action("W", 4, 0, (1,), (0,)), Action("R", 4, view=2), Action("G", 4, 0, (1,), slot=0),
+            Action("R", 4, view=5), Action("G", 4, 0, (), slot=1), Action("U", 4, blocks=(3,))]
+    program = Program(acts, rank=1, start=3, stop=6)
+    assert [repr(a) for a in program.pre[4]] == ["W b1@v0 <-r0"]
+    assert [repr(a) for a in program.renders[4]] == ["R v2", "R v5"]
+    assert [[repr(a) for a in group] for group in program.between[4]] == [["G s0 b1->r0"]]
+    assert [repr(a) for a in program.post[4]] == ["G s1 ->r0", "U b3"]

@@ -116,6 +116,14 @@ def test_a_schedule_that_is_not_the_plans_is_refused(schedule_json, tmp_path):
     lines.insert(w, lines.pop(r))
     _check_refuses(dict(doc, phases=[dict(doc["phases"][0], actions=swapped)] + doc["phases"][1:]), tmp_path,
                    ["comes before", "W b"])
+    # a view's gradients sent before the view renders
+    early = {r: list(lines) for r, lines in acts.items()}
+    lines = early["0"]
+    g = next(i for i, a in enumerate(lines) if a.split(": ")[1].startswith("G "))
+    r = max(i for i, a in enumerate(lines[:g]) if a.split(": ")[1].startswith("R "))
+    lines.insert(r, lines.pop(g))
+    _check_refuses(dict(doc, phases=[dict(doc["phases"][0], actions=early)] + doc["phases"][1:]), tmp_path,
+                   ["before it renders it", "G s0"])
     # actions given as a list instead of a map of ranks, and an action that does not parse
     _check_refuses(dict(doc, phases=[dict(doc["phases"][0], actions=acts["0"])]), tmp_path, ["must map each rank"])
     garbled = dict(acts, **{"0": acts["0"][:-1] + ["3: Q b1->r1"]})

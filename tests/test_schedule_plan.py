@@ -37,7 +37,7 @@ def test_dependencies_follow_the_read_sets():
 
 def test_actions_are_readable_and_the_barrier_only_in_the_barrier_policy():
     text = small_plan().actions_text()
-    assert "W b1@v0 <-r0" in text and "R v7" in text and "G b1->r0" in text and "P b2->r0" in text
+    assert "W b1@v0 <-r0" in text and "R v7" in text and "G s0 b1->r0" in text and "P b2->r0" in text
     assert "\n    B" not in text
     assert [repr(a) for a in small_plan(barrier=True).actions(0)].count("B") == 2
     # a phase begins with the owners' publication of the phase-start state to the ranks that read it first
@@ -194,8 +194,8 @@ def test_simulator_predicts_waits_and_finds_deadlocks():
     for a in small_plan().actions(1):
         assert parse_action(repr(a), a.step) == a
     # a hand-written list where both owners update before sending their gradients
-    lists = {0: [parse_action("R v5", 10), parse_action("U b0", 10), parse_action("G b3->r1", 10)],
-             1: [parse_action("R v7", 10), parse_action("U b3", 10), parse_action("G b1->r0", 10)]}
+    lists = {0: [parse_action("R v5", 10), parse_action("U b0", 10), parse_action("G s0 b3->r1", 10)],
+             1: [parse_action("R v7", 10), parse_action("U b3", 10), parse_action("G s0 b1->r0", 10)]}
     with pytest.raises(Deadlock, match="rank 0 at U b0"):
         simulate_phase(lists, 10, costs, [0.0, 0.0], [0.0, 0.0])
 

@@ -5,7 +5,7 @@ with the pair waits for it: a receive posted only when its step needs it costs t
 2 CPU ranks of the city: `irecv` about 2 ms a call on a rank whose lane posted every receive on demand, 0.1-0.5 ms
 where the exact policies posted theirs ahead). Every message a pair carries into this rank is in its sender's list,
 in the order the sender runs it (the interpreter, or throughput-first's one lane, posts all of a rank's messages
-in list order): for each of the sender's actions toward this rank, a G (its views' splat gradients of a step) or
+in list order): for each of the sender's actions toward this rank, a G (one view's splat gradients of a step) or
 a P (a publication: its header, then its splats). So the order of a pair's receives is data: this class walks it
 and posts each receive once the ones before it on the pair are posted and its size is known: a header's from the
 plan, a G's once this rank has made every projection of its step, a publication's splats only by the reader that
@@ -25,16 +25,17 @@ import torch
 
 from odin_ns.runtime.rank_runtime import OdinRuntimeError
 
-Item = Tuple[str, int]  # ("P", update): a header; ("p", update): its splats; ("G", step): a reader's gradients
+# ("P", update, -1): a header; ("p", update, -1): its splats; ("G", step, slot): a reader's view's gradients
+Item = Tuple[str, int, int]
 
 
 class Inbox:
     """The receives of one phase into rank `me`. `sizes(peer, item)` gives an item's receive buffer (None while
     its size is not known; an empty one for a message that is not sent); posted receives go into `early`, keyed
-    (kind, step, peer) as the handlers look them up ("P" for a header, "G" for gradients)."""
+    (kind, step, peer, slot) as the handlers look them up ("P" for a header, "G" for a view's gradients)."""
 
     def __init__(self, plan, me: int, channels, sizes: Callable[[int, Item], Optional[torch.Tensor]],
-                 early: Dict[Tuple[str, int, int], tuple]):
+                 early: Dict[Tuple[str, int, int, int], tuple]):
         self.channels, self.sizes, self.early = channels, sizes, early
         self.order: Dict[int, List[Item]] = {}
         for peer in range(plan.num_ranks):
@@ -45,22 +46,23 @@ class Inbox:
                 if a.peer != me:
                     continue
                 if a.kind == "G":
-                    items.append(("G", a.step))
+                    items.append(("G", a.step, a.slot))
                 elif a.kind == "P":
-                    items += [("P", a.step), ("p", a.step)]
+                    items += [("P", a.step, -1), ("p", a.step, -1)]
             self.order[peer] = items
         self.at = dict.fromkeys(self.order, 0)  # per pair, its first receive not posted
 
     def pump(self, peers=None) -> None:
         """Post every receive whose turn has come and whose size is known, on the pairs of `peers` (all)."""
-        recvs: List[Tuple[Tuple[str, int, int], int, torch.Tensor]] = []
+        recvs: List[Tuple[Tuple[str, int, int, int], int, torch.Tensor]] = []
         for peer in self.order if peers is None else peers:
             items, i = self.order[peer], self.at[peer]
             while i < len(items) and items[i][0] != "p":
                 buf = self.sizes(peer, items[i])
                 if buf is None:
                     break
-                recvs.append(((items[i][0], items[i][1], peer), peer, buf))
+                kind, step, slot = items[i]
+                recvs.append(((kind, step, peer, slot), peer, buf))
                 i += 1
             self.at[peer] = i
         if not recvs:

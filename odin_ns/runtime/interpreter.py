@@ -3,7 +3,9 @@
 A phase's list (`schedule.policies`) is cut once into what each seam of a training step runs:
 - `pre[t]`: the actions before step t's renders (publications of the phase start, waits for the blocks read);
 - `renders[t]`: the step's R actions (the engine renders those views);
-- `post[t]`: what follows the renders (gradients out, the update, publications, the barrier).
+- `between[t][j]`: what follows the render of the step's view j before its next view (that view's gradients out,
+  while the next view renders);
+- `post[t]`: what follows the last render (its gradients out, the update, publications, the barrier).
 Throughput-first lists have a second lane (`on_thread` actions): it runs on the rank's communication thread in list
 order, and `lane` holds it (`runtime.lane`). `run` hands each group of consecutive actions of one kind to its
 handler with the step's context (a group's messages go out in one batch); `run_group` is the one place a handler
@@ -52,6 +54,7 @@ class Program:
         self.rank, self.start, self.stop = rank, start, stop
         self.pre: Dict[int, List[Action]] = defaultdict(list)
         self.renders: Dict[int, List[Action]] = defaultdict(list)
+        self.between: Dict[int, List[List[Action]]] = defaultdict(list)
         self.post: Dict[int, List[Action]] = defaultdict(list)
         self.lane: List[Action] = [a for a in self.actions if a.on_thread]
         pending: List[Action] = []
@@ -63,6 +66,8 @@ class Program:
                 if current != a.step:
                     self.pre[a.step] += pending
                     pending = []
+                else:  # what followed the step's previous render runs before this one
+                    self.between[a.step].append(self.post.pop(a.step, []))
                 self.renders[a.step].append(a)
                 current = a.step
             elif current is not None and a.step == current:

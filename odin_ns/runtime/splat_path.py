@@ -90,10 +90,11 @@ class SplatPath(SplatReader):
         self.touched: Dict[int, torch.Tensor] = {}
         self.received: Dict[int, Dict[int, tuple]] = {}  # step -> owner -> (version, per view its splat count,
         # splats, per view its splat count per block of the owner)
-        self.grads_out: Dict[int, Dict[int, List[torch.Tensor]]] = {}  # step -> owner -> per view [n, G]
+        self.grads_out: Dict[int, Dict[Tuple[int, int], torch.Tensor]] = {}  # step -> (owner, slot) -> [n, G]
         # receives posted before they are needed (`runtime.inbox`): ("P", update, owner) -> a publication's header,
-        # ("G", step, reader) -> a reader's splat gradients; each with its pending receive (None: nothing to wait)
-        self.early: Dict[Tuple[str, int, int], Tuple[torch.Tensor, object]] = {}
+        # ("G", step, reader, slot) -> a reader's view's splat gradients; each with its pending receive (None:
+        # nothing to wait); a header's slot is -1
+        self.early: Dict[Tuple[str, int, int, int], Tuple[torch.Tensor, object]] = {}
         self.layouts: Dict[Tuple[int, int], tuple] = {}  # (owner, update) -> the layout of a header posted ahead
         self.own_grads: Dict[int, Dict[int, Tuple[torch.Tensor, object]]] = {}  # step -> slot -> (grads, norm2d)
         self.inbox: Optional[Inbox] = None  # on gloo: every pair's receives posted ahead
@@ -259,32 +260,32 @@ class SplatPath(SplatReader):
         order = sorted(where)  # the reference order: rank, then view
         cols = self.grad_columns.shape[0]
         payloads, fresh, posted = {}, [], []
-        for q in readers:
-            early = self.early.pop(("G", step, q), None)  # posted ahead (`runtime.inbox`)
-            if early is not None:
-                if early[0].shape[0] != splats_for(projections, q):
-                    raise RuntimeError(f"rank {q}'s gradients of step {step}: a receive for {early[0].shape[0]} "
-                                       f"splats was posted ahead where {splats_for(projections, q)} were projected")
-                payloads[q] = early[0]
-                posted += [early[1]] if early[1] is not None else []
-                continue
-            payloads[q] = torch.empty((splats_for(projections, q), self.grad_width), dtype=torch.float32,
-                                      device=self.device)
-            fresh.append((q, payloads[q]))
+        for q in readers:  # one message per view of the reader (its list's G actions), in slot order
+            for j in range(len(self.plan.rank_views(step, q))):
+                n = splats_for(projections, q, j)
+                early = self.early.pop(("G", step, q, j), None)  # posted ahead (`runtime.inbox`)
+                if early is not None:
+                    if early[0].shape[0] != n:
+                        raise RuntimeError(f"rank {q}'s gradients of step {step}, view {j}: a receive for "
+                                           f"{early[0].shape[0]} splats was posted ahead where {n} were projected")
+                    payloads[(q, j)] = early[0]
+                    posted += [early[1]] if early[1] is not None else []
+                    continue
+                payloads[(q, j)] = torch.empty((n, self.grad_width), dtype=torch.float32, device=self.device)
+                fresh.append(((q, j), payloads[(q, j)]))
         if payloads and rt.channels is not None:
-            posted += rt.channels.batch([], fresh, "transfer", wait=False)
+            posted += rt.channels.batch([], [(q, t) for (q, _), t in fresh], "transfer", wait=False)
             if self.inbox is not None:
-                for q, _ in fresh:
-                    self.inbox.passed(q, ("G", step))
+                for (q, j), _ in fresh:
+                    self.inbox.passed(q, ("G", step, j))
             rt.channels.wait_for(posted, "transfer")
-            for q in readers:
+            for q, j in payloads:
                 rt.channels.note("G", step, q, "recv")
         # each projection's splat gradients, its pairs' parts in span order (the reference order within it): a
         # view of this rank's own gradients as they are, a remote one with the columns that did not travel zero
         parts = {id(sp): ([], []) for sp in projections}
         filled = dict.fromkeys(parts, 0)  # each projection's splats covered so far
         own = self.own_grads.pop(step, {})
-        offsets = dict.fromkeys(payloads, 0)
         for q, j in order:
             sp = where[(q, j)]
             a, b = sp.span((q, j))
@@ -295,9 +296,7 @@ class SplatPath(SplatReader):
             if q == me:
                 grad, norm = own[j]
             else:
-                k = offsets[q]
-                wire = payloads[q][k:k + b - a]
-                offsets[q] = k + b - a
+                wire = payloads[(q, j)]
                 grad = wire.new_zeros((b - a, SPLAT_WIDTH))
                 grad[:, self.grad_columns] = wire[:, :cols]
                 norm = wire[:, cols] if self.absgrad else None

@@ -6,7 +6,8 @@ published block's evidence) and the splats it announces; they are kept for the s
 reader checks that the owner projected the version it decided. R: a view renders its own splats and the received
 ones in key order (the order one process renders in: a received splat's key is its block's first place in the
 whole model's block order plus its rank among the block's splats, which orders them as their Gaussians' places
-do). G: the gradients of each owner's splats go back in the order they came. On gloo the receives of every pair are
+do). G: each view's gradients of an owner's splats go back in the order they came, one message per view and owner,
+as soon as the view is rendered. On gloo the receives of every pair are
 posted before they are needed, in the pair's order, as their sizes become known (`runtime.inbox`).
 """
 
@@ -25,10 +26,10 @@ WIRE = SPLAT_WIDTH + 1  # the splat, its radius
 RADIUS = SPLAT_WIDTH
 
 
-def splats_for(projections: Sequence, reader: int) -> int:
-    """The splats an owner's step projections (`splat_path.StepProjection`) hold for `reader`'s views: the rows of
-    the reader's gradient message to the owner."""
-    return sum(e - s for sp in projections for (q, _), (s, e) in zip(sp.pairs, sp.splat_spans) if q == reader)
+def splats_for(projections: Sequence, reader: int, slot: int) -> int:
+    """The splats an owner's step projections (`splat_path.StepProjection`) hold for `reader`'s view in `slot`: the
+    rows of that view's gradient message to the owner."""
+    return sum(e - s for sp in projections for pair, (s, e) in zip(sp.pairs, sp.splat_spans) if pair == (reader, slot))
 
 
 def received_keys(global_start: torch.Tensor, blocks: torch.Tensor, per_block: Sequence[int], n: int
@@ -50,14 +51,14 @@ class SplatReader:
         the owner per step) per publication."""
         rt = self.runtime
         layouts = [self.layouts.pop((o, u), None) or self._header_layout(o, u) for o, u in pubs]
-        early = [self.early.pop(("P", u, o), None) for o, u in pubs]
+        early = [self.early.pop(("P", u, o, -1), None) for o, u in pubs]
         headers = [e[0] if e is not None else self._header(layout) for e, layout in zip(early, layouts)]
         fresh = [(o, h) for (o, _), h, e in zip(pubs, headers, early) if e is None]
         posted = rt.channels.batch([], fresh, "validate", wait=False)
         if self.inbox is not None:
             for (o, u), e in zip(pubs, early):
                 if e is None:
-                    self.inbox.passed(o, ("P", u))
+                    self.inbox.passed(o, ("P", u, -1))
         rt.channels.wait_for(posted + [e[1] for e in early if e is not None and e[1] is not None], "validate")
         for o, u in pubs:
             rt.channels.note("P", u, o, "recv")
@@ -81,7 +82,7 @@ class SplatReader:
         posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
         if self.inbox is not None:  # the pair's next receives, as far as their sizes are known
             for o, u in pubs:
-                self.inbox.passed(o, ("p", u))
+                self.inbox.passed(o, ("p", u, -1))
         rt.channels.wait_for(posted, "validate")
         return out
 
@@ -100,15 +101,15 @@ class SplatReader:
         return torch.empty(sum(views) * (1 + n_blocks) + evidence, dtype=torch.int64, device=self.device)
 
     def _inbox_buffer(self, peer: int, item) -> Optional[torch.Tensor]:
-        """`Inbox`'s sizes: a header's from the plan; a reader's gradients of a step once every projection of the
-        step is made (after update step-1), as many as the splats projected for it."""
-        kind, step = item
+        """`Inbox`'s sizes: a header's from the plan; a reader's view's gradients of a step once every projection
+        of the step is made (after update step-1), as many as the splats projected for it."""
+        kind, step, slot = item
         if kind == "P":  # its layout kept for the parsing (`receive`)
             layout = self.layouts[(peer, step)] = self._header_layout(peer, step)
             return self._header(layout)
         if self.projected_upto is None or self.projected_upto < step - 1:
             return None
-        return torch.empty((splats_for(self.steps.get(step, []), peer), self.grad_width), dtype=torch.float32,
+        return torch.empty((splats_for(self.steps.get(step, []), peer, slot), self.grad_width), dtype=torch.float32,
                            device=self.device)
 
     def accept(self, owner: int, update: int, raw: tuple) -> None:
@@ -180,13 +181,14 @@ class SplatReader:
             else:
                 wire = grad.index_select(1, self.grad_columns)
                 wire = torch.cat([wire, part_norm[:, None]], dim=1) if part_norm is not None else wire
-                self.grads_out.setdefault(step, {}).setdefault(o, []).append(wire)
+                self.grads_out.setdefault(step, {})[(o, slot)] = wire
 
-    def send_gradients(self, step: int, owners: Sequence[int]) -> None:
-        """G: each owner the gradients of its splats of every view of `step` (one payload each)."""
-        sends = []
-        for o in owners:
-            per_view = self.grads_out.get(step, {}).get(o, [])
-            sends.append((o, torch.cat(per_view) if len(per_view) > 1 else per_view[0]))
+    def send_gradients(self, step: int, messages: Sequence[Tuple[int, int]]) -> None:
+        """G: for each (slot, owner), the gradients of the owner's splats in the view of `slot` at `step` (nothing
+        travels for a view that rendered none of them)."""
+        sends, out = [], self.grads_out.get(step, {})
+        for slot, o in messages:
+            wire = out.pop((o, slot), None)
+            sends.append((o, wire if wire is not None else torch.zeros((0, self.grad_width), device=self.device)))
             self.runtime.channels.note("G", step, o, "send")
         self.runtime.channels.batch(sends, [], "transfer", "G")

@@ -6,7 +6,8 @@ One action is one small piece of a rank's work in one step:
   the step reads (several blocks of one owner are one action: `W b3@v7 W b5@v7 <-r1`); `~1` when the read may be
   one version behind (throughput-first);
 - `R v12` render view 12 and back-propagate;
-- `G b3,b5->r1` send the gradients of the step's views on rank 1's blocks to rank 1;
+- `G s0 b3,b5->r1` send the gradients of the step's view in slot 0 (the rank's first view of the step) on rank 1's
+  blocks to rank 1, once that view is rendered (a view's gradients leave while the next view renders);
 - `U b0,b2` the owner's update of its blocks once every contribution of the step is in; `U~` on the owner's
   update thread, beside the render (throughput-first);
 - `P b0,b2->r1` publish the update to a rank that reads those blocks next;
@@ -36,6 +37,7 @@ class Action:
     view: int = -1  # "R"
     stale: int = 0  # "W": how many versions behind the newest the read may be (throughput-first)
     on_thread: bool = False  # on the owner's update thread, beside the render (throughput-first)
+    slot: int = -1  # "G": which of the rank's views of the step (0 = its first) the gradients are of
 
     def __repr__(self) -> str:
         lane = "~" if self.on_thread else ""  # on the communication lane, beside the renders
@@ -48,7 +50,8 @@ class Action:
             return text + (f" ~{self.stale}" if self.stale else "")
         if self.kind == "U":
             return f"U{lane} " + ",".join(f"b{b}" for b in self.blocks)
-        return f"{self.kind}{lane} " + ",".join(f"b{b}" for b in self.blocks) + f"->r{self.peer}"
+        slot = f"s{self.slot} " if self.kind == "G" else ""
+        return f"{self.kind}{lane} {slot}" + ",".join(f"b{b}" for b in self.blocks) + f"->r{self.peer}"
 
 
 def parse_action(text: str, step: int) -> Action:
@@ -70,7 +73,13 @@ def parse_action(text: str, step: int) -> Action:
     if kind == "U":
         return Action("U", step, blocks=tuple(int(b.lstrip("b")) for b in rest.split(",") if b), on_thread=lane)
     if kind in ("G", "P"):
+        slot = -1
+        if kind == "G":
+            head, _, rest = rest.partition(" ")
+            if not head.startswith("s"):
+                raise ValueError(f"a G action names its view's slot (G s0 b3->r1): {text!r}")
+            slot = int(head[1:])
         blocks, _, peer = rest.rpartition("->r")
         return Action(kind, step, int(peer), tuple(int(b.lstrip("b")) for b in blocks.split(",") if b),
-                      on_thread=lane)
+                      on_thread=lane, slot=slot)
     raise ValueError(f"unknown action {text!r}")

@@ -5,9 +5,10 @@ replay only checks the lists against themselves: a file with every `G` and `U` r
 the replay the lists are compared with the ones the plan itself generates:
 - per rank, the same actions (kind, step, peer, blocks, versions, staleness), each as often: nothing missing,
   nothing extra, no send to another rank, no wait for another version;
-- in an order the runtime can run: within a step a rank validates (`W`) before it renders (`R`), renders before it
-  sends gradients (`G`) and updates (`U`), and publishes (`P`) after its update; an update run inline precedes
-  the rank's next render (which reads the owned blocks it changes).
+- in an order the runtime can run: within a step a rank validates (`W`) before it renders (`R`), renders a view
+  before it sends that view's gradients (`G`), renders every view before it updates (`U`), and publishes (`P`)
+  after its update; an update run inline precedes the rank's next render (which reads the owned blocks it
+  changes).
 Reorderings that keep these (say, a gradient sent after the next step's wait) are allowed; whether they deadlock
 is the simulator's to find. The first difference is reported in one line.
 """
@@ -21,11 +22,11 @@ from odin_ns.schedule.actions import Action
 from odin_ns.schedule.plan import PhasePlan
 
 # within one step, each kind must follow every action of the kinds listed for it
-_AFTER = {"R": ("W",), "G": ("R",), "U": ("R",), "P": ("U",), "B": ("U", "P")}
+_AFTER = {"R": ("W",), "U": ("R",), "P": ("U",), "B": ("U", "P")}  # a G follows the render of its own view
 
 
 def _key(a: Action):
-    return (a.kind, a.step, a.peer, tuple(a.blocks), tuple(a.version), a.view, a.stale, a.on_thread)
+    return (a.kind, a.step, a.peer, tuple(a.blocks), tuple(a.version), a.view, a.stale, a.on_thread, a.slot)
 
 
 def _describe(a: Action) -> str:
@@ -49,10 +50,20 @@ def difference(plan: PhasePlan, rank: int, given: Sequence[Action]) -> Optional[
 def _order_problem(rank: int, given: Sequence[Action]) -> Optional[str]:
     last: Dict[tuple, int] = {}  # (step, kind) -> index of its last action
     first: Dict[tuple, int] = {}
+    renders: Dict[int, List[int]] = {}  # step -> the indices of its renders, in order (a view's slot)
     for i, a in enumerate(given):
         last[(a.step, a.kind)] = i
         first.setdefault((a.step, a.kind), i)
+        if a.kind == "R":
+            renders.setdefault(a.step, []).append(i)
     for i, a in enumerate(given):
+        if a.kind == "G":
+            mine = renders.get(a.step, [])
+            j = mine[a.slot] if 0 <= a.slot < len(mine) else None
+            if j is None or j > i:
+                return (f"rank {rank}: '{_describe(a)}' sends the gradients of a view "
+                        f"{'it does not render' if j is None else 'before it renders it'} "
+                        f"(a step runs {' -> '.join('WRGUPB')})")
         for before in _AFTER.get(a.kind, ()):
             j = last.get((a.step, before))
             if j is not None and j > i:

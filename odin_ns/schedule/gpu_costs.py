@@ -87,18 +87,19 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
               stale_plans: Optional[Sequence[PhasePlan]] = None, recompute: bool = True) -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
     plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
-    rows of the owner's blocks its views see, a publication the rows of the blocks the update touched (some view
-    of the step sees them), from `visible` (share of a block's rows in a view); without it, whole blocks (a
-    bound). The update's rows are the same touched rows.
+    rows of the owner's blocks its views see (a G per view: each view its share of the rank's rows of a block, by
+    its pairs), a publication the rows of the blocks the update touched (some view of the step sees them), from
+    `visible` (share of a block's rows in a view); without it, whole blocks (a bound). The update's rows are the
+    same touched rows.
 
     data_path "splats" prices the messages of the splat data path instead (what the runtime moves): an owner's
     publication of update u to a reader carries one splat per (view, Gaussian) pair of the reader's views that see
     the owner's blocks at every step whose read takes version u (step u+1's current reads, and at throughput-first
     the later steps' reads the lists admit behind at u), every step (splats are per view: nothing stays at the
-    reader), and a gradient message one splat gradient per pair; the renders' costs are the same (the projection
-    moves from the reader to the owner, the total does not change) and an owner's update adds the projection made
-    again at it with `recompute` (`RECOMPUTE_SHARE` of a render per projected pair: whole blocks, every view that
-    reads them). `stale_plans`: the same phases
+    reader), and a view's gradient message one splat gradient per pair of the view; the renders' costs are the
+    same (the projection moves from the reader to the owner, the total does not change) and an owner's update adds
+    the projection made again at it with `recompute` (`RECOMPUTE_SHARE` of a render per projected pair: whole
+    blocks, every view that reads them). `stale_plans`: the same phases
     under throughput-first, whose lists say which reads its lane's publications carry (without: current reads)."""
     if data_path not in DATA_PATHS:
         raise ValueError(f"unknown data path {data_path!r} (choose from {', '.join(DATA_PATHS)})")
@@ -107,6 +108,9 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     touched_rows: Dict[int, torch.Tensor] = {}  # step -> [blocks] rows some view of the step sees
     # (step, rank) -> [blocks] rows its views see (rows: each once; splats: once per view that sees it)
     seen_rows: Dict[Tuple[int, int], torch.Tensor] = {}
+    # (step, rank, slot) -> [blocks] the (view, Gaussian) pairs of the rank's view in that slot (a G per view)
+    view_pairs: Dict[Tuple[int, int, int], torch.Tensor] = {}
+    n_views: Dict[Tuple[int, int], int] = {}  # (step, rank) -> its views
     render = [gpu.render_fixed_s + gpu.render_per_gaussian_s * scale * g + gpu.render_per_pixel_s * p
               for g, p in zip(gaussians_read, pixels)]
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
@@ -124,12 +128,15 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
         owner = torch.as_tensor(plan.owner)
         for step in range(plan.start, plan.stop):
             owner_at[step] = owner
-            if share is None and data_path == "splats":  # every Gaussian of a block a view reads, in each view
+            n_views.update(((step, r), len(plan.rank_views(step, r))) for r in range(plan.num_ranks))
+            if share is None:  # every Gaussian of a block a view reads, in each view
                 for r in range(plan.num_ranks):
-                    reads = torch.zeros(len(counts), dtype=torch.float64)
-                    for blocks in plan.view_reads(step, r):
-                        reads[list(blocks)] += 1
-                    seen_rows[(step, r)] = count * reads
+                    for j, blocks in enumerate(plan.view_reads(step, r)):
+                        view_pairs[(step, r, j)] = count * torch.zeros(len(counts), dtype=torch.float64).index_fill_(
+                            0, torch.as_tensor(list(blocks), dtype=torch.int64), 1.0)
+                    if data_path == "splats":
+                        seen_rows[(step, r)] = sum(view_pairs[(step, r, j)]
+                                                   for j in range(len(plan.view_reads(step, r))))
             mask = torch.zeros(len(counts), dtype=torch.float64)
             mask[list(plan.touched(step))] = 1.0
             if share is None:
@@ -138,6 +145,8 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                 views = [v for r in range(plan.num_ranks) for v in plan.rank_views(step, r)]
                 touched_rows[step] = count * mask * (1 - torch.prod(1 - share[views], dim=0))
                 for r in range(plan.num_ranks):
+                    for j, v in enumerate(plan.rank_views(step, r)):
+                        view_pairs[(step, r, j)] = count * share[v]
                     pairs = count * share[list(plan.rank_views(step, r))].sum(dim=0)  # (view, Gaussian) pairs
                     seen_rows[(step, r)] = pairs if data_path == "splats" else pairs.clamp(max=count)
             projected = pair_rows(plan, step, count).sum(0) if data_path == "splats" and recompute else \
@@ -151,9 +160,14 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
 
     def message_bytes(sender: int, a: Action) -> float:
         blocks = list(a.blocks)
-        if a.kind == "G":
-            rows = seen_rows[(a.step, sender)][blocks] if (a.step, sender) in seen_rows else count[blocks]
-            return scale * float(rows.sum()) * (SPLAT_GRAD_BYTES if data_path == "splats" else GRAD_BYTES)
+        if a.kind == "G":  # one view's: its pairs of the blocks (rows: its share of the rank's rows of each block)
+            pairs = view_pairs[(a.step, sender, a.slot)][blocks]
+            if data_path == "splats":
+                return scale * float(pairs.sum()) * SPLAT_GRAD_BYTES
+            rank_rows = seen_rows[(a.step, sender)][blocks] if (a.step, sender) in seen_rows else count[blocks]
+            rank_pairs = sum(view_pairs[(a.step, sender, j)][blocks] for j in range(n_views[(a.step, sender)]))
+            share_of = torch.where(rank_pairs > 0, pairs / rank_pairs.clamp(min=1e-300), torch.zeros_like(pairs))
+            return scale * float((rank_rows * share_of).sum()) * GRAD_BYTES
         if data_path == "splats":  # the splats of the reader's views whose read of the owner takes this version
             steps = [t for t in window.get(a.step, ()) if read_at.get((t, a.peer, sender)) == a.step] \
                 if a.on_thread else [a.step + 1]  # the lane's lists (reads behind), or the exact ones

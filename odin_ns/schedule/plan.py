@@ -10,7 +10,7 @@ From the per-view read sets follow, per step t and rank r:
   step t-1, and sends its gradients of step t to exactly them;
 - `readers(t, o)`: the ranks whose views read some block of owner o at t (o waits for their gradients);
 and from those the per-rank action lists (`actions`), with a readable repr in the style of PyTorch's pipelining
-schedules: `W b3@v7 <-r1` (wait until block 3, owned by rank 1, is at version 7), `R v12`, `G b3->r1`, `U b3`
+schedules: `W b3@v7 <-r1` (wait until block 3, owned by rank 1, is at version 7), `R v12`, `G s0 b3->r1`, `U b3`
 (owner update once every contribution is in), `P b3->r0` (publish the new version to a rank that reads it next),
 `B` (the global barrier, odin-barrier only).
 
@@ -113,6 +113,10 @@ class PhasePlan:
         return [(j, b) for j, ids in enumerate(self.view_reads(step, reader)) for b in ids
                 if self.owner[b] == owner]
 
+    def view_grad_blocks(self, step: int, reader: int, slot: int, owner: int) -> Tuple[int, ...]:
+        """Blocks of `owner` that `reader`'s view in `slot` reads at `step`, ascending (its gradient message's)."""
+        return tuple(sorted(b for b in self.view_reads(step, reader)[slot] if self.owner[b] == owner))
+
     def publish_blocks(self, step: int, owner: int, reader: int) -> List[int]:
         """Blocks of `owner` that `reader` reads at `step` (what the publication of step-1 brings it)."""
         key = ("by_owner", step, reader)
@@ -198,10 +202,6 @@ class PhasePlan:
     def touched(self, step: int) -> frozenset:
         """Blocks some view reads at `step` (the owners' update of the step may change them)."""
         return self._touched[self.index(step)]
-
-    def grad_blocks(self, step: int, reader: int, owner: int) -> Tuple[int, ...]:
-        """Blocks of `owner` in `reader`'s gradient message of `step`."""
-        return tuple(self.publish_blocks(step, owner, reader))  # the blocks it reads of that owner
 
     def versions(self) -> List[List[int]]:
         """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""

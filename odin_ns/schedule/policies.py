@@ -5,9 +5,10 @@ plan's views and read sets, the runtime that runs the lists, the simulator that 
 configs, the viewer panel) reads this registry: adding a policy is one `Policy` entry and its generator.
 
 Generators turn a `PhasePlan` into each rank's program (`schedule.actions.Action`):
-- `barrier` (odin-barrier): per step, wait for the publications of exactly the blocks read (W), render (R), send
-  gradients to owners (G), update owned blocks (U), publish to next step's readers (P), then the global barrier
-  (B): Grendel's synchronization, on the same per-block transport;
+- `barrier` (odin-barrier): per step, wait for the publications of exactly the blocks read (W), render each view
+  (R) and send its gradients to their owners (G: one message per view and owner, so that a view's gradients travel
+  while the next view renders), update owned blocks (U), publish to next step's readers (P), then the global
+  barrier (B): Grendel's synchronization, on the same per-block transport;
 - `quality` (odin): the same without B: a rank waits only for the owners whose blocks its views read;
 - `throughput` (odin-throughput): a rank's renders (the main lane) run beside a communication lane (`on_thread`)
   that receives, sends and updates: after a step's gradients leave, the lane takes the publications the next
@@ -52,16 +53,23 @@ def _exact(plan, rank: int, barrier: bool) -> List[Action]:
         for o in plan.deps(step, rank):
             blocks = tuple(plan.publish_blocks(step, o, rank))
             out.append(Action("W", step, o, blocks, tuple(versions[i][b] for b in blocks)))
-        for v in plan.rank_views(step, rank):
+        for j, v in enumerate(plan.rank_views(step, rank)):
             out.append(Action("R", step, view=v))
-        for o in plan.deps(step, rank):
-            out.append(Action("G", step, o, plan.grad_blocks(step, rank, o)))
+            out += _gradients(plan, rank, step, j, on_thread=False)
         out.append(Action("U", step, blocks=tuple(sorted(plan.touched(step) & owned))))
         for q in plan.pub_readers(step, rank):
             out.append(Action("P", step, q, tuple(plan.pub_blocks(step, rank, q))))
         if barrier:
             out.append(Action("B", step))
     return out
+
+
+def _gradients(plan, rank: int, step: int, slot: int, on_thread: bool) -> List[Action]:
+    """The G actions of the rank's view in `slot` at `step`: one to every owner the rank reads at the step (a
+    view that reads none of an owner's blocks in the plan sends an empty message, which the transport skips: a
+    block added to its read set after a detected miss still has its message)."""
+    return [Action("G", step, o, plan.view_grad_blocks(step, rank, slot, o), on_thread=on_thread, slot=slot)
+            for o in plan.deps(step, rank)]
 
 
 def _phase_start_publications(plan, rank: int, on_thread: bool) -> List[Action]:
@@ -123,10 +131,10 @@ def throughput_actions(plan, rank: int) -> List[Action]:
     own = [plan.start - 1]
     out += _lane_waits(plan, rank, plan.start, versions, pos, own, set(), early=False)
     for step in range(plan.start, plan.stop):
-        for v in plan.rank_views(step, rank):
-            out.append(Action("R", step, view=v))
-        for o in plan.deps(step, rank):
-            out.append(Action("G", step, o, plan.grad_blocks(step, rank, o), on_thread=True))
+        views = plan.rank_views(step, rank)
+        out += [Action("R", step, view=v) for v in views]
+        for j in range(len(views)):  # on the lane, after the step's renders
+            out += _gradients(plan, rank, step, j, on_thread=True)
         decided: set = set()
         if step + 1 < plan.stop:
             out += _lane_waits(plan, rank, step + 1, versions, pos, own, decided, early=True)

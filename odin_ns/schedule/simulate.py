@@ -83,17 +83,17 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
     pos = {r: [0, 0] for r in ranks}
     clock = {r: [clocks[r], clocks[r]] for r in ranks}  # [main, communication lane]
     phase_start = max(clocks)
-    sent: Dict[Tuple, float] = {}  # ("P"|"G", src, dst, step) -> time sent
+    sent: Dict[Tuple, float] = {}  # ("P"|"G", src, dst, step, slot) -> time sent (a G per view: its slot)
     updated: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its update of that step was done
     rendered: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its last render of that step was done
-    expected_grads: Dict[Tuple[int, int], List[int]] = {}  # (owner, step) -> readers
+    expected_grads: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (owner, step) -> (reader, slot)
     views_at: Dict[Tuple[int, int], Tuple[int, ...]] = {}
     renders_left: Dict[Tuple[int, int], int] = {}
     waits_left: Dict[Tuple[int, int], int] = {}  # (rank, step) -> W actions of the lane not yet run
     for r in ranks:
         for a in actions[r]:
             if a.kind == "G":
-                expected_grads.setdefault((a.peer, a.step), []).append(r)
+                expected_grads.setdefault((a.peer, a.step), []).append((r, a.slot))
             elif a.kind == "R":
                 views_at[(r, a.step)] = views_at.get((r, a.step), ()) + (a.view,)
                 renders_left[(r, a.step)] = renders_left.get((r, a.step), 0) + 1
@@ -105,17 +105,17 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
     def send(r: int, a: Action, t: float) -> None:
         """A message of `a` leaves at `t`, or when the link is free, and is on the wire for bytes / bandwidth."""
         if costs.message_bytes is None or math.isinf(costs.bandwidth):
-            sent[(a.kind, r, a.peer, a.step)] = t
+            sent[(a.kind, r, a.peer, a.step, a.slot)] = t
             return
         done = max(t, link_free[r]) + costs.message_bytes(r, a) / costs.bandwidth
         link_free[r] = done
-        sent[(a.kind, r, a.peer, a.step)] = done
+        sent[(a.kind, r, a.peer, a.step, a.slot)] = done
 
     def grads_ready(r: int, a: Action) -> Optional[float]:
-        readers = expected_grads.get((r, a.step), [])
-        if any(("G", q, r, a.step) not in sent for q in readers):
+        messages = [("G", q, r, a.step, j) for q, j in expected_grads.get((r, a.step), [])]
+        if any(m not in sent for m in messages):
             return None
-        return max([sent[("G", q, r, a.step)] + costs.latency for q in readers], default=0.0)
+        return max([sent[m] + costs.latency for m in messages], default=0.0)
 
     def publication_ready(r: int, a: Action) -> Optional[float]:
         needed = a.step - 1 - a.stale  # the update whose publication the read needs
@@ -123,8 +123,8 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             return phase_start
         if a.peer == r:
             return updated.get((r, needed))
-        if ("P", a.peer, r, needed) in sent:
-            return sent[("P", a.peer, r, needed)] + costs.latency
+        if ("P", a.peer, r, needed, -1) in sent:
+            return sent[("P", a.peer, r, needed, -1)] + costs.latency
         return None
 
     force_render = set()  # inline ranks whose choice of update or render no later event can decide any more
@@ -150,9 +150,9 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
         if nxt.kind != "U" or r in force_render:
             return 0
         now = clock[r][0]
-        for q in expected_grads.get((r, nxt.step), []):
-            if ("G", q, r, nxt.step) in sent:
-                if sent[("G", q, r, nxt.step)] > now:
+        for q, j in expected_grads.get((r, nxt.step), []):
+            if ("G", q, r, nxt.step, j) in sent:
+                if sent[("G", q, r, nxt.step, j)] > now:
                     return 0
             elif min(clock[q]) <= now:
                 return None
