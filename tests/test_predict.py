@@ -34,6 +34,26 @@ def test_a_link_delays_each_message_by_its_bytes_and_a_rank_sends_one_after_anot
     assert ends == pytest.approx([0.0, 0.1, 0.3], abs=1e-12)
 
 
+def test_a_view_renders_once_its_own_payloads_are_in_while_the_next_views_travel():
+    """A publication is a header and one payload per view: the reader's first view renders when its payload is in,
+    the second waits for its own; as one payload, both wait for all of it."""
+    from odin_ns.schedule.actions import parse_action
+    from odin_ns.schedule.simulate import Costs, simulate_phase
+
+    lists = {0: [parse_action("P b0->r1", 10)],
+             1: [parse_action("W b0@v1 <-r0", 11), parse_action("R v0", 11), parse_action("R v1", 11)]}
+    base = dict(render=lambda v: 1.0, update=0.0, latency=0.0, phase=0.0, bandwidth=100.0,
+                message_bytes=lambda sender, a: 100.0)
+    whole = simulate_phase(lists, 10, Costs(**base), [0.0, 0.0], [0.0, 0.0])
+    assert whole == pytest.approx([0.0, 3.0])  # the payload in at 1.0, then two renders
+    parts = simulate_phase(lists, 10, Costs(**base, message_parts=lambda sender, a: [(11, 0, 30.0), (11, 1, 70.0)]),
+                           [0.0, 0.0], [0.0, 0.0])
+    assert parts == pytest.approx([0.0, 2.3])  # view 0 at 0.3 - 1.3, view 1's payload in at 1.0: 1.3 - 2.3
+    slow = simulate_phase(lists, 10, Costs(**base, message_parts=lambda sender, a: [(11, 0, 30.0), (11, 1, 170.0)]),
+                          [0.0, 0.0], [0.0, 0.0])
+    assert slow == pytest.approx([0.0, 3.0])  # view 1 waits for its payload (in at 2.0)
+
+
 def test_the_published_calibration_reproduces_gsplats_training_times():
     """gsplat's 30k-step Mip-NeRF 360 times (docs, tests/eval; TITAN RTX): one GPU alone in the model within 16%."""
     from odin_ns.schedule.gpu_costs import GPUS, single_gpu_iteration_s

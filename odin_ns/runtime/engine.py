@@ -253,6 +253,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         loss = loss_dict = metrics_dict = None
         for j, view in enumerate(views):
             _, _, width, height = self._camera(step, view)
+            self.splats.await_view(step, j)  # its splats from the other owners (the next view's may still travel)
             with self.log.computing():
                 splats, radii, routing = self.splats.view_splats(step, j)
                 view_ids.append(self.plan.view_reads(step, me)[j] + self.runtime.extras_self.get(step, {}).get(j, []))

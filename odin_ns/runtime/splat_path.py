@@ -12,16 +12,17 @@ The actions keep their meaning and their lists; what travels is splats:
 - P (owner -> reader, after update u): a header (per step of the publication's window and view of the reader: the
   splat count of the view if the read takes version u, else -1; then the view's splat count per block of the owner,
   from which the reader knows each splat's place in the whole model's block order; throughput-first adds its
-  evidence, each block's last update size), then one float32 payload of `WIRE` columns per splat: the splat (10
-  numbers) and its radius as int32 bits: 44 bytes;
-- W (reader): takes the owners' publications in order, as the exact reads or the evidence decide (`RankRuntime`),
-  and keeps each step's splats; R renders each view from its own splats and the received ones sorted by key, the
-  order one process renders in, and back-propagates to every splat;
-- G (reader -> owner): the gradients of the owner's splats, in the order they came: 2-D mean, conic, opacity and
-  colour (the depth too when the render uses it), and, when the strategy uses absolute screen-space gradients
-  (splatfacto's default), the densification statistic the reader computes from them (their scaled norm, one
-  number where the two gradients would be two): 10 numbers, 40 bytes; one payload whose size both sides know, no
-  header;
+  evidence, each block's last update size), then per view whose read takes version u one float32 payload of
+  `WIRE` columns per splat: the splat (10 numbers) and its radius as int32 bits: 44 bytes;
+- W (reader): takes the owners' publications in order, as the exact reads or the evidence decide (`RankRuntime`):
+  their headers, and the views' payloads posted, each waited for just before its view renders (a view renders
+  while the next view's splats travel); R renders each view from its own splats and the received ones sorted by
+  key, the order one process renders in, and back-propagates to every splat;
+- G (reader -> owner, per view): the gradients of the owner's splats, in the order they came: 2-D mean, conic,
+  opacity and colour (the depth too when the render uses it), and, when the strategy uses absolute screen-space
+  gradients (splatfacto's default), the densification statistic the reader computes from them (their scaled
+  norm, one number where the two gradients would be two): 10 numbers, 40 bytes; one payload per view whose size
+  both sides know, no header;
 - U (owner): one backward of the splat gradients through each projection of the step (one per version read), then
   each view's contribution in the reference order (rank, then view) to the owners' update.
 The reader's side (W, R's splats, G) is `runtime.splat_reader`; the projection of a step's views in one call is
@@ -40,7 +41,7 @@ import torch
 from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
 from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.inbox import Inbox
-from odin_ns.runtime.splat_reader import WIRE, SplatReader, splats_for
+from odin_ns.runtime.splat_reader import SplatReader, splats_for
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
 
@@ -89,7 +90,7 @@ class SplatPath(SplatReader):
         self.marks: Dict[int, torch.Tensor] = {}
         self.touched: Dict[int, torch.Tensor] = {}
         self.received: Dict[int, Dict[int, tuple]] = {}  # step -> owner -> (version, per view its splat count,
-        # splats, per view its splat count per block of the owner)
+        # per view its splats and their pending receive, per view its splat count per block of the owner)
         self.grads_out: Dict[int, Dict[Tuple[int, int], torch.Tensor]] = {}  # step -> (owner, slot) -> [n, G]
         # receives posted before they are needed (`runtime.inbox`): ("P", update, owner) -> a publication's header,
         # ("G", step, reader, slot) -> a reader's view's splat gradients; each with its pending receive (None:
@@ -219,8 +220,10 @@ class SplatPath(SplatReader):
     # ---- P: the splats out -----------------------------------------------------------------------------------
 
     def publish(self, update: int, readers: Sequence[int]) -> None:
-        """P: to each reader its views' splats of every read that takes version `update`."""
-        me, rt, sends = self.env.rank, self.runtime, []
+        """P: to each reader its views' splats of every read that takes version `update`: a header, then one
+        message per view (a reader renders a view once its own splats are in, while the next view's travel); every
+        reader's header first, then every reader's first view, and so on."""
+        me, rt, heads, views = self.env.rank, self.runtime, [], []
         n_mine = len(self.blocks_of[me])
         for q in readers:
             header, per_block, parts = [], [], []
@@ -236,15 +239,17 @@ class SplatPath(SplatReader):
                 first = sp.pairs.index((q, 0))  # a reader's pairs are consecutive, in view order
                 per_block.append(sp.per_block[first:first + mb])
                 a, b = spans[0][0], spans[-1][1]
-                parts.append(torch.cat([sp.proj.splats.detach()[a:b],
-                                        sp.proj.radii[a:b].to(torch.int32).view(torch.float32)[:, None]], dim=1))
+                wire = torch.cat([sp.proj.splats.detach()[a:b],
+                                  sp.proj.radii[a:b].to(torch.int32).view(torch.float32)[:, None]], dim=1)
+                parts += [wire[s - a:e - a] for s, e in spans]  # each view's rows: contiguous, no copy
             head = [torch.tensor(header, dtype=torch.int64).to(self.device), torch.cat(per_block).flatten()]
             if self.plan.staleness:  # the evidence: each block's last update size, as the reader's decisions use it
                 blocks = torch.tensor(self.plan.pub_blocks(update, me, q), dtype=torch.int64)
                 head.append(rt.rel_hist[update][blocks].contiguous().view(torch.int64).to(self.device))
-            payload = torch.cat(parts) if parts else torch.zeros((0, WIRE), device=self.device)
-            sends += [(q, torch.cat(head)), (q, payload)]
+            heads.append((q, torch.cat(head)))
+            views.append([(q, part) for part in parts])
             rt.channels.note("P", update, q, "send")
+        sends = heads + [m for k in range(max(map(len, views), default=0)) for v in views if k < len(v) for m in [v[k]]]
         rt.channels.batch(sends, [], "transfer", "P")
 
     # ---- U: the owner's update -------------------------------------------------------------------------------

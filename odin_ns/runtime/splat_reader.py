@@ -2,13 +2,14 @@
 
 W: a publication is a header (per step of its window and view of this rank: the splat count of the view if the
 read takes its version, else -1, then the view's splat count per block of the owner; throughput-first adds each
-published block's evidence) and the splats it announces; they are kept for the steps that read them, and the
-reader checks that the owner projected the version it decided. R: a view renders its own splats and the received
-ones in key order (the order one process renders in: a received splat's key is its block's first place in the
-whole model's block order plus its rank among the block's splats, which orders them as their Gaussians' places
-do). G: each view's gradients of an owner's splats go back in the order they came, one message per view and owner,
-as soon as the view is rendered. On gloo the receives of every pair are
-posted before they are needed, in the pair's order, as their sizes become known (`runtime.inbox`).
+published block's evidence) and the splats it announces, one message per view; their receives are posted when the
+header is read and each is waited for just before its view renders (`await_view`); they are kept for the steps
+that read them, and the reader checks that the owner projected the version it decided. R: a view renders its own
+splats and the received ones in key order (the order one process renders in: a received splat's key is its
+block's first place in the whole model's block order plus its rank among the block's splats, which orders them as
+their Gaussians' places do). G: each view's gradients of an owner's splats go back in the order they came, one
+message per view and owner, as soon as the view is rendered. On gloo the receives of every pair are posted before
+they are needed, in the pair's order, as their sizes become known (`runtime.inbox`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class SplatReader:
     """Receive, render from and answer the owners' splats (mixed into `SplatPath`: the state is its)."""
 
     def receive(self, pubs: Sequence[Tuple[int, int]]) -> List[tuple]:
-        """Publications (owner, update) off the channels: headers in one batch, one host read, payloads in one
-        batch. Returns (the views' counts per step of the window, evidence, payload, the views' counts per block of
-        the owner per step) per publication."""
+        """Publications (owner, update) off the channels: headers in one batch, one host read, then every view's
+        payload posted, not waited for (`await_view`). Returns (the views' counts per step of the window, evidence,
+        per view whose read takes the version its payload and pending receives, the views' counts per block of the
+        owner per step) per publication."""
         rt = self.runtime
         layouts = [self.layouts.pop((o, u), None) or self._header_layout(o, u) for o, u in pubs]
         early = [self.early.pop(("P", u, o, -1), None) for o, u in pubs]
@@ -77,13 +79,23 @@ class SplatReader:
                                            f"add up to its splat count")
             evidence = torch.tensor(values[at:at + e], dtype=torch.int64).view(torch.float64)
             at += e
-            n = sum(c for per_step in counts for c in per_step if c > 0)
-            out.append((counts, evidence, torch.empty((n, WIRE), dtype=torch.float32, device=self.device), per_block))
-        posted = rt.channels.batch([], [(o, raw[2]) for (o, _), raw in zip(pubs, out)], "validate", wait=False)
+            parts = [torch.empty((c, WIRE), dtype=torch.float32, device=self.device)
+                     for per_step in counts for c in per_step if c >= 0]  # a step's counts are all -1 or none
+            out.append((counts, evidence, parts, per_block))
+        # each view's payload with its pending receives (none where nothing travels): one batch per place in the
+        # publications (gloo gives a work per receive; NCCL one per batch, which completes as a whole)
+        for k in range(max((len(raw[2]) for raw in out), default=0)):
+            batch = [(o, raw[2][k]) for (o, _), raw in zip(pubs, out) if k < len(raw[2])]
+            works = rt.channels.batch([], batch, "validate", wait=False)
+            sent = [t for _, t in batch if t.numel()]
+            each = iter(works) if len(works) == len(sent) else None
+            for raw in out:
+                if k < len(raw[2]):
+                    part = raw[2][k]
+                    raw[2][k] = (part, [] if not part.numel() else [next(each)] if each is not None else works)
         if self.inbox is not None:  # the pair's next receives, as far as their sizes are known
             for o, u in pubs:
                 self.inbox.passed(o, ("p", u, -1))
-        rt.channels.wait_for(posted, "validate")
         return out
 
     def _header_layout(self, owner: int, update: int) -> Tuple[List[int], int, int]:
@@ -114,13 +126,25 @@ class SplatReader:
 
     def accept(self, owner: int, update: int, raw: tuple) -> None:
         """Keep a publication's splats for the steps whose read takes its version."""
-        counts, _, payload, per_block = raw
+        counts, _, parts, per_block = raw
         start = 0
         for step, per_view, blocks in zip(self.plan.window(update), counts, per_block):
             if per_view and per_view[0] >= 0:
-                n = sum(per_view)
-                self.received.setdefault(step, {})[owner] = (update, per_view, payload[start:start + n], blocks)
-                start += n
+                self.received.setdefault(step, {})[owner] = (update, per_view, parts[start:start + len(per_view)],
+                                                              blocks)
+                start += len(per_view)
+
+    def await_view(self, step: int, slot: int) -> None:
+        """Before view `slot` of `step` renders: its splats from every owner are in (their receives were posted
+        when the publications' headers were read)."""
+        pending = []
+        for _, _, parts, _ in self.received.get(step, {}).values():
+            part, works = parts[slot]
+            if works:
+                pending += works
+                parts[slot] = (part, [])
+        if pending:
+            self.runtime.channels.wait_for(pending, "validate")
 
     def check_read(self, step: int, owner: int, version: int) -> None:
         """The reader decided that its read of `owner` at `step` takes `version`: the owner's replay agrees."""
@@ -143,9 +167,8 @@ class SplatReader:
         if own is not None:  # none where a throughput-first step reads no block of its own
             a, b = own.span((me, slot))
             parts.append((me, own.proj.splats.detach()[a:b].requires_grad_(), own.proj.radii[a:b], own.keys[a:b]))
-        for o, (_, counts, payload, per_block) in sorted(self.received.get(step, {}).items()):
-            start = sum(counts[:slot])
-            wire = payload[start:start + counts[slot]]
+        for o, (_, _, payloads, per_block) in sorted(self.received.get(step, {}).items()):
+            wire = payloads[slot][0]
             self.log.current.remote_pairs += wire.shape[0]
             keys = received_keys(self.global_start, self.blocks_of[o], per_block[slot], wire.shape[0])
             parts.append((o, wire[:, :SPLAT_WIDTH].detach().requires_grad_(),

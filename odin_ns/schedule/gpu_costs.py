@@ -22,7 +22,7 @@ Two calibrations:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -168,18 +168,25 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
             rank_pairs = sum(view_pairs[(a.step, sender, j)][blocks] for j in range(n_views[(a.step, sender)]))
             share_of = torch.where(rank_pairs > 0, pairs / rank_pairs.clamp(min=1e-300), torch.zeros_like(pairs))
             return scale * float((rank_rows * share_of).sum()) * GRAD_BYTES
-        if data_path == "splats":  # the splats of the reader's views whose read of the owner takes this version
-            steps = [t for t in window.get(a.step, ()) if read_at.get((t, a.peer, sender)) == a.step] \
-                if a.on_thread else [a.step + 1]  # the lane's lists (reads behind), or the exact ones
-            return scale * SPLAT_BYTES * sum(float(seen_rows[(t, a.peer)][owner_at[t] == sender].sum())
-                                             for t in steps if t in owner_at)
+        if data_path == "splats":
+            return sum(size for _, _, size in message_parts(sender, a))
         rows = touched_rows[a.step][blocks] if a.step in touched_rows else count[blocks]  # phase start: whole
         return scale * float(rows.sum()) * PARAM_BYTES
+
+    def message_parts(sender: int, a: Action) -> Optional[List[Tuple[int, int, float]]]:
+        """A publication of splats: one payload per view of the reader whose read of the owner takes this version
+        (step, slot, bytes); rows travel as one payload (None)."""
+        if a.kind != "P" or data_path != "splats":
+            return None
+        steps = [t for t in window.get(a.step, ()) if read_at.get((t, a.peer, sender)) == a.step] \
+            if a.on_thread else [a.step + 1]  # the lane's lists (reads behind), or the exact ones
+        return [(t, j, scale * SPLAT_BYTES * float(view_pairs[(t, a.peer, j)][owner_at[t] == sender].sum()))
+                for t in steps if t in owner_at for j in range(n_views[(t, a.peer)])]
 
     mean_update = sum(u for _, _, u, _ in per_step.values()) / max(len(per_step), 1)
     return Costs(render=lambda v: render[v], update=mean_update, latency=link.latency_s, phase=gpu.phase_s,
                  overhead=gpu.step_overhead_s, bandwidth=link.bandwidth, message_bytes=message_bytes,
-                 shared_compute=True,
+                 message_parts=message_parts, shared_compute=True,
                  measured=lambda step, rank: per_step.get((step, rank)))
 
 

@@ -28,7 +28,9 @@ class Costs:
     """Seconds: render(view), one owner update per step, one message's latency, one phase boundary, and the
     per-step work that is neither rendering nor an update (bookkeeping, the training loop). With a link model
     (`bandwidth` in bytes/s and `message_bytes(sender, action)` for a G or P action), a message also occupies its
-    sender's link for bytes / bandwidth: a rank's messages go out one after the other."""
+    sender's link for bytes / bandwidth: a rank's messages go out one after the other. A publication is a header (a
+    few bytes: its reads are decided when it is in) and a payload per view (`message_parts`): a view renders once
+    its own payloads are in."""
 
     render: Callable[[int], float]
     update: float = 0.002
@@ -37,6 +39,9 @@ class Costs:
     overhead: float = 0.0
     bandwidth: float = math.inf
     message_bytes: Optional[Callable[[int, Action], float]] = None
+    # a publication's payloads, one per view whose read takes its version: [(step, slot, bytes)] in the order they
+    # travel (None, or no function: one payload, which every view waits for)
+    message_parts: Optional[Callable[[int, Action], Optional[List[Tuple[int, int, float]]]]] = None
     # one processor per rank (a GPU): an update on the communication lane takes its time from the renders too
     # (a stream shares the GPU's cores); without it the lane has a processor of its own
     shared_compute: bool = False
@@ -101,6 +106,44 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                 waits_left[(r, a.step)] = waits_left.get((r, a.step), 0) + 1
     barrier_arrivals: Dict[int, Dict[int, float]] = {}
     link_free = {r: phase_start for r in ranks}  # when each rank's outgoing link is free again
+    reads_taken: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (rank, step) -> (owner, version) of its W's
+
+    def publish(r: int, lane: int, t: float) -> None:
+        """The run of P actions of one step from the lane's position, sent together: every header at once (its
+        reads are decided with it), then the views' payloads, every reader's first view first (the runtime's
+        order of the batch)."""
+        todo, i = lanes[r][lane], pos[r][lane]
+        group = []
+        while i < len(todo) and todo[i].kind == "P" and todo[i].step == todo[pos[r][lane]].step:
+            group.append(todo[i])
+            i += 1
+        wired = costs.message_bytes is not None and not math.isinf(costs.bandwidth)
+        parts = {}
+        for a in group:
+            sent[("P", r, a.peer, a.step, -1)] = max(t, link_free[r]) if wired else t
+            pieces = costs.message_parts(r, a) if wired and costs.message_parts is not None else None
+            parts[a] = pieces if pieces is not None else [(None, None, costs.message_bytes(r, a) if wired else 0.0)]
+        for k in range(max(len(p) for p in parts.values())):
+            for a in group:
+                if k < len(parts[a]):
+                    step, slot, size = parts[a][k]
+                    end = t
+                    if wired:
+                        end = link_free[r] = max(t, link_free[r]) + size / costs.bandwidth
+                    sent[("p", r, a.peer, a.step, (step, slot))] = sent[("p", r, a.peer, a.step, "all")] = end
+
+    def payloads_ready(r: int, step: int, slot: int) -> Optional[float]:
+        """When the payloads of view `slot` of rank r at `step` are in, from every owner it read (None: not sent)."""
+        times = []
+        for o, version in reads_taken.get((r, step), []):
+            if version < start:  # the phase start's state: there when the phase starts
+                continue
+            key = ("p", o, r, version, (step, slot))
+            key = key if key in sent else ("p", o, r, version, "all")
+            if key not in sent:
+                return None
+            times.append(sent[key] + costs.latency)
+        return max(times, default=0.0)
 
     def send(r: int, a: Action, t: float) -> None:
         """A message of `a` leaves at `t`, or when the link is free, and is on the wire for bytes / bandwidth."""
@@ -181,6 +224,10 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
             if a.kind == "R":
                 if waits_left.get((r, a.step), 0):
                     break  # the lane has not taken every publication of this step's reads yet
+                ready = payloads_ready(r, a.step, len(views_at[(r, a.step)]) - renders_left[(r, a.step)])
+                if ready is None:
+                    break
+                t = max(t, ready)
                 per_view = costs.at(a.step, r, views_at[(r, a.step)])[0]
                 cost = costs.render(a.view) if per_view is None else per_view
                 clock[r][lane] = t + cost
@@ -193,6 +240,8 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                 if ready is None:
                     break
                 clock[r][lane] = max(t, ready)
+                if a.peer != r:
+                    reads_taken.setdefault((r, a.step), []).append((a.peer, a.step - 1 - a.stale))
                 if a.on_thread:
                     waits_left[(r, a.step)] -= 1
                     if not waits_left[(r, a.step)]:
@@ -204,7 +253,8 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     t = clock[r][lane] = max(t, rendered.get((r, a.step), t))
                 send(r, a, t)
             elif a.kind == "P":
-                send(r, a, t)
+                if ("P", r, a.peer, a.step, -1) not in sent:  # the first of its step's group sends them all
+                    publish(r, lane, t)
             elif a.kind == "U":
                 ready = grads_ready(r, a)
                 if ready is None or (a.on_thread and renders_left.get((r, a.step), 0)):
