@@ -28,7 +28,7 @@ def test_dependencies_follow_the_read_sets():
     assert plan.deps(10, 0) == [] and plan.deps(10, 1) == [0]
     assert plan.deps(11, 0) == [1] and plan.deps(11, 1) == []
     assert plan.readers(10, 0) == [1] and plan.readers(10, 1) == []
-    assert plan.grad_entries(10, 1, 0) == [(0, 1)]
+    assert plan.view_grad_blocks(10, 1, 0, 0) == (1,)
     assert plan.publish_blocks(11, 1, 0) == [2]
     assert dependency_pairs(plan) == {(1, 0): 1, (0, 1): 1}
     # version = steps of the phase in which some view read the block
@@ -261,3 +261,20 @@ def test_an_inline_lane_hides_the_same_imbalance_on_one_processor():
     assert inline.busy_s == pytest.approx([8.5, 8.5]) and inline.wall_s == pytest.approx(8.5)
     exact = simulate([_jitter_plan()], Costs(render=slow, update=0.1, latency=0.0, phase=0.0, inline_lane=True))
     assert exact.wall_s == pytest.approx(11.0)  # every step waits for the slow view: inline changes nothing there
+
+
+def test_a_list_that_renders_a_steps_views_out_of_the_plans_order_is_refused():
+    """A G names its view by its place among the step's renders (`G s1`), so a list must render them in the plan's
+    order: swapping two renders keeps every action but sends each view's gradients as the other's."""
+    from odin_ns.schedule.conformance import difference
+
+    plan = PhasePlan(start=0, stop=2, num_ranks=2, owner=[0, 0, 1, 1], views=[[[0, 1], [2, 3]] for _ in range(2)],
+                     reads=[[[[0, 1, 2, 3], [0, 2]], [[1, 3], [0, 1, 2, 3]]] for _ in range(2)],
+                     policy_name="quality")
+    acts = plan.actions(0)
+    assert difference(plan, 0, acts) is None
+    assert [repr(a) for a in acts if a.kind == "G" and a.step == 1] == ["G s0 b2,b3->r1", "G s1 b2->r1"]
+    i, j = [k for k, a in enumerate(acts) if a.kind == "R" and a.step == 1]
+    swapped = list(acts)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    assert "step 1 renders views [1, 0]" in difference(plan, 0, swapped)

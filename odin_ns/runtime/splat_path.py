@@ -277,12 +277,14 @@ class SplatPath(SplatReader):
                     posted += [early[1]] if early[1] is not None else []
                     continue
                 payloads[(q, j)] = torch.empty((n, self.grad_width), dtype=torch.float32, device=self.device)
-                fresh.append(((q, j), payloads[(q, j)]))
-        if payloads and rt.channels is not None:
-            posted += rt.channels.batch([], [(q, t) for (q, _), t in fresh], "transfer", wait=False)
-            if self.inbox is not None:
-                for (q, j), _ in fresh:
+                if self.inbox is not None:  # posted alone, then the pair moves on: the inbox may post the next
+                    # view's receive ahead, which the next turn of this loop then finds in `early`
+                    posted += rt.channels.batch([], [(q, payloads[(q, j)])], "transfer", wait=False)
                     self.inbox.passed(q, ("G", step, j))
+                else:
+                    fresh.append((q, payloads[(q, j)]))
+        if payloads and rt.channels is not None:
+            posted += rt.channels.batch([], fresh, "transfer", wait=False)
             rt.channels.wait_for(posted, "transfer")
             for q, j in payloads:
                 rt.channels.note("G", step, q, "recv")

@@ -9,7 +9,9 @@ splats and the received ones in key order (the order one process renders in: a r
 block's first place in the whole model's block order plus its rank among the block's splats, which orders them as
 their Gaussians' places do). G: each view's gradients of an owner's splats go back in the order they came, one
 message per view and owner, as soon as the view is rendered. On gloo the receives of every pair are posted before
-they are needed, in the pair's order, as their sizes become known (`runtime.inbox`).
+they are needed, in the pair's order, as their sizes become known (`runtime.inbox`). NCCL runs a rank's batches
+in order on one stream, so there a view's gradients leave once the payloads posted before them are in (with two
+views a rank: the second view's splats, which the owner sent right after the first's).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ replay only checks the lists against themselves: a file with every `G` and `U` r
 the replay the lists are compared with the ones the plan itself generates:
 - per rank, the same actions (kind, step, peer, blocks, versions, staleness), each as often: nothing missing,
   nothing extra, no send to another rank, no wait for another version;
+- its views rendered in the plan's order (a G names its view by its place among the step's renders);
 - in an order the runtime can run: within a step a rank validates (`W`) before it renders (`R`), renders a view
   before it sends that view's gradients (`G`), renders every view before it updates (`U`), and publishes (`P`)
   after its update; an update run inline precedes the rank's next render (which reads the owned blocks it
@@ -44,6 +45,14 @@ def difference(plan: PhasePlan, rank: int, given: Sequence[Action]) -> Optional[
     for k in have:
         if have[k] > want[k]:
             return f"rank {rank} has '{_describe(by_key[k])}', which is not in the plan"
+    renders: Dict[int, List[int]] = {}  # a step's views in the order the list renders them: a G's slot is a place
+    for a in given:
+        if a.kind == "R":
+            renders.setdefault(a.step, []).append(a.view)
+    for step, views in sorted(renders.items()):
+        if views != list(plan.rank_views(step, rank)):
+            return (f"rank {rank}: step {step} renders views {views}, where the plan's order is "
+                    f"{list(plan.rank_views(step, rank))} (a G names its view by its place)")
     return _order_problem(rank, given)
 
 

@@ -106,7 +106,7 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     count = torch.as_tensor(counts, dtype=torch.float64)
     share = visible.double() if visible is not None else None
     touched_rows: Dict[int, torch.Tensor] = {}  # step -> [blocks] rows some view of the step sees
-    # (step, rank) -> [blocks] rows its views see (rows: each once; splats: once per view that sees it)
+    # (step, rank) -> [blocks] rows its views see, each once (the rows' gradient messages)
     seen_rows: Dict[Tuple[int, int], torch.Tensor] = {}
     # (step, rank, slot) -> [blocks] the (view, Gaussian) pairs of the rank's view in that slot (a G per view)
     view_pairs: Dict[Tuple[int, int, int], torch.Tensor] = {}
@@ -134,9 +134,6 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                     for j, blocks in enumerate(plan.view_reads(step, r)):
                         view_pairs[(step, r, j)] = count * torch.zeros(len(counts), dtype=torch.float64).index_fill_(
                             0, torch.as_tensor(list(blocks), dtype=torch.int64), 1.0)
-                    if data_path == "splats":
-                        seen_rows[(step, r)] = sum(view_pairs[(step, r, j)]
-                                                   for j in range(len(plan.view_reads(step, r))))
             mask = torch.zeros(len(counts), dtype=torch.float64)
             mask[list(plan.touched(step))] = 1.0
             if share is None:
@@ -148,7 +145,7 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                     for j, v in enumerate(plan.rank_views(step, r)):
                         view_pairs[(step, r, j)] = count * share[v]
                     pairs = count * share[list(plan.rank_views(step, r))].sum(dim=0)  # (view, Gaussian) pairs
-                    seen_rows[(step, r)] = pairs if data_path == "splats" else pairs.clamp(max=count)
+                    seen_rows[(step, r)] = pairs.clamp(max=count)
             projected = pair_rows(plan, step, count).sum(0) if data_path == "splats" and recompute else \
                 torch.zeros(plan.num_ranks, dtype=torch.float64)  # per owner, the pairs it projects
             for r in range(plan.num_ranks):

@@ -108,11 +108,6 @@ class PhasePlan:
         i = self.index(step)
         return [q for q in range(self.num_ranks) if owner in self._deps[i][q]]
 
-    def grad_entries(self, step: int, reader: int, owner: int) -> List[Tuple[int, int]]:
-        """(view slot, block) pairs of `reader`'s gradient message to `owner` at `step`, in message order."""
-        return [(j, b) for j, ids in enumerate(self.view_reads(step, reader)) for b in ids
-                if self.owner[b] == owner]
-
     def view_grad_blocks(self, step: int, reader: int, slot: int, owner: int) -> Tuple[int, ...]:
         """Blocks of `owner` that `reader`'s view in `slot` reads at `step`, ascending (its gradient message's)."""
         return tuple(sorted(b for b in self.view_reads(step, reader)[slot] if self.owner[b] == owner))

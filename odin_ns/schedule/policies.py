@@ -65,9 +65,9 @@ def _exact(plan, rank: int, barrier: bool) -> List[Action]:
 
 
 def _gradients(plan, rank: int, step: int, slot: int, on_thread: bool) -> List[Action]:
-    """The G actions of the rank's view in `slot` at `step`: one to every owner the rank reads at the step (a
-    view that reads none of an owner's blocks in the plan sends an empty message, which the transport skips: a
-    block added to its read set after a detected miss still has its message)."""
+    """The G actions of the rank's view in `slot` at `step`: one to every owner the rank reads at the step. A view
+    that reads none of an owner's blocks in the plan has its message too, empty (the transport skips it), so that
+    a block of that owner added to the view's read set after a detected miss has one."""
     return [Action("G", step, o, plan.view_grad_blocks(step, rank, slot, o), on_thread=on_thread, slot=slot)
             for o in plan.deps(step, rank)]
 
