@@ -186,7 +186,8 @@ class SplatReader:
         return splats, radii, (parts, order, own is not None)
 
     def after_backward(self, step: int, slot: int, routing, means2d) -> None:
-        """After a view's backward: its gradients of this rank's splats kept for U, the other owners' for G."""
+        """After a view's backward: its gradients of this rank's splats kept for U, the other owners' for G; the
+        splats it received are let go (a rank holds one view's at a time, beside the next views' in flight)."""
         parts, order, has_own = routing
         norm2d = None
         if self.absgrad:  # the owners' densification statistic, from the absolute gradients (in the parts' order)
@@ -207,6 +208,8 @@ class SplatReader:
                 wire = grad.index_select(1, self.grad_columns)
                 wire = torch.cat([wire, part_norm[:, None]], dim=1) if part_norm is not None else wire
                 self.grads_out.setdefault(step, {})[(o, slot)] = wire
+        for _, _, payloads, _ in self.received.get(step, {}).values():  # the view's received splats are spent
+            payloads[slot] = (None, [])
 
     def send_gradients(self, step: int, messages: Sequence[Tuple[int, int]]) -> None:
         """G: for each (slot, owner), the gradients of the owner's splats in the view of `slot` at `step` (nothing
