@@ -256,10 +256,11 @@ def print_table(rows: List[Dict], title: str) -> None:
           "CPU': the same with the processor time of the ranks' processes (every thread, a lane on a thread too) in "
           "place of the main thread's work. 'B/pair': bytes sent per visible (view, remote Gaussian) pair, to the "
           "readers / back to the owners. 'resident': per rank, the largest share of the model it owned at a step (no "
-          "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the step's messages) "
-          "and their share of one process's (every row with Adam's moments), in brackets the MB its projections "
-          "for its readers held at most (their graphs; with --pipeline.projection-memory recompute their splats and "
-          "a pair's graph at the update). 'stale/refused': block reads admitted behind the newest version, and "
+          "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the most its message "
+          "buffers held at once) and their share of one process's (every row with Adam's moments), in brackets the "
+          "MB its projections for its readers held at most (their graphs; with --pipeline.projection-memory "
+          "recompute their splats and a pair's graph at the update). 'stale/refused': block reads admitted behind "
+          "the newest version, and "
           "refused (waited for). 'replayed wall': the wall the replay of the run's own lists with its measured costs "
           "predicts (odin-schedule --costs), and its error.")
 

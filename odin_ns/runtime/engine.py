@@ -289,8 +289,9 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
                 self._end_phase(step, optimizers)
         record.gaussians_owned = int(self.model.gauss_params["means"].shape[0])
         record.row_bytes = 4 * self.width
-        record.resident_bytes = 3 * record.row_bytes * record.gaussians_owned + record.bytes_sent + \
-            record.bytes_received  # no rank holds another's rows
+        record.message_bytes = self.log.held.take_peak()
+        # no rank holds another's rows
+        record.resident_bytes = 3 * record.row_bytes * record.gaussians_owned + record.message_bytes
         record.projection_bytes = self.splats.take_kept_peak()
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0

@@ -207,6 +207,7 @@ class SplatReader:
             else:
                 wire = grad.index_select(1, self.grad_columns)
                 wire = torch.cat([wire, part_norm[:, None]], dim=1) if part_norm is not None else wire
+                self.log.held.hold(wire)  # a message buffer from now on
                 self.grads_out.setdefault(step, {})[(o, slot)] = wire
         for _, _, payloads, _ in self.received.get(step, {}).values():  # the view's received splats are spent
             payloads[slot] = (None, [])

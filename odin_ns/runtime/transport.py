@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from odin_ns.runtime.send_reaper import SendReaper
 from odin_ns.runtime.waits import WaitLog
 
 
@@ -32,9 +33,11 @@ def exchange(sends: Dict[int, torch.Tensor], recv_shapes: Dict[int, Tuple[int, .
     for peer in sorted(set(sends) | set(received)):
         if peer in sends and sends[peer].numel() > 0:
             tensor = sends[peer].contiguous()
+            log.held.hold(tensor)
             ops.append(dist.P2POp(dist.isend, tensor, peer))
             sent_bytes += tensor.numel() * tensor.element_size()
         if peer in received and received[peer].numel() > 0:
+            log.held.hold(received[peer])
             ops.append(dist.P2POp(dist.irecv, received[peer], peer))
             recv_bytes += received[peer].numel() * received[peer].element_size()
     if ops:
@@ -59,6 +62,8 @@ def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cau
     padded = torch.zeros((longest, width), dtype=rows.dtype, device=comm_device())
     padded[: rows.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in counts]
+    for t in [padded] + gathered:
+        log.held.hold(t)
     with log.waiting(cause):
         dist.all_gather(gathered, padded)
     log.add_traffic(padded.numel() * padded.element_size() * (len(counts) - 1),
@@ -71,9 +76,10 @@ RECORD_ENV = "ODIN_NS_RECORD_MESSAGES"  # set: every message of the run is recor
 
 class Channels:
     """One rank's ordered point-to-point messages. `batch(sends, recvs)` posts the sends (kept alive until they
-    complete) and the receives in one `batch_isend_irecv` and waits for the receives; the time is the wait of the
-    named cause. With recording on, every message is noted as (kind, step, peer, "send"/"recv") in posting order
-    (payloads and headers of one message count once, as the header's).
+    complete: NCCL's until a later batch finds them done, gloo's until a thread that waits for them sees them
+    delivered, `runtime.send_reaper`) and the receives in one `batch_isend_irecv` and waits for the receives; the
+    time is the wait of the named cause. With recording on, every message is noted as (kind, step, peer,
+    "send"/"recv") in posting order (payloads and headers of one message count once, as the header's).
 
     `batch(..., wait=False)` only posts the receives (`wait_for` them later; before they are needed only where
     `posts_ahead` allows it).
@@ -86,7 +92,8 @@ class Channels:
         self.device = device
         self.log = log
         self.group = group
-        self._pending: List[Tuple[dist.Work, torch.Tensor]] = []
+        self._pending: List[Tuple[dist.Work, torch.Tensor]] = []  # NCCL's works not completed yet, and their tensors
+        self._reaper = SendReaper()  # gloo's sends, waited for in the background
         self.record: Optional[List[list]] = [] if os.environ.get(RECORD_ENV) else None
 
     def note(self, kind: str, step: int, peer: int, direction: str) -> None:
@@ -105,12 +112,14 @@ class Channels:
             if tensor.numel() == 0:
                 continue
             tensor = tensor.contiguous()
+            self.log.held.hold(tensor)
             ops.append(dist.P2POp(dist.isend, tensor, peer, group=self.group))
             sent += tensor.numel() * tensor.element_size()
         recv_ops = []
         for peer, tensor in recvs:
             if tensor.numel() == 0:
                 continue
+            self.log.held.hold(tensor)
             ops.append(dist.P2POp(dist.irecv, tensor, peer, group=self.group))
             recv_ops.append(len(ops) - 1)
             received += tensor.numel() * tensor.element_size()
@@ -124,8 +133,10 @@ class Channels:
         if len(works) != len(ops):  # NCCL coalesces a batch: its works complete together, sends and receives
             self._pending += [(work, [op.tensor for op in ops]) for work in works]
             posted = list(works) if recv_ops else []
-        else:  # gloo: one work per operation
-            self._pending += [(work, op.tensor) for op, work in zip(ops, works) if op.op is dist.isend]
+        else:  # gloo: one work per operation; a send's only completes when waited for (`runtime.send_reaper`)
+            for op, work in zip(ops, works):
+                if op.op is dist.isend:
+                    self._reaper.add(op.peer, work, op.tensor)
             posted = [works[i] for i in recv_ops]
         if wait:
             self.wait_for(posted, cause)
@@ -152,6 +163,7 @@ class Channels:
         with self.log.waiting(cause):
             for work, _ in pending:
                 work.wait()
+            self._reaper.drain()
 
     def dump(self, path) -> None:
         if self.record is not None:

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List
 
+from odin_ns.runtime.held_bytes import HeldBytes
+
 CAUSES = ("validate", "transfer", "barrier", "phase", "gather")
 
 
@@ -45,8 +47,11 @@ class StepRecord:
     remote_pairs: int = 0  # visible (view, Gaussian of another rank) pairs this rank's views rendered
     receives: int = 0  # receives the rank posted in the step
     receives_ahead: int = 0  # of them, posted before a handler needed them (`runtime.inbox`)
-    # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the step's message
-    # buffers (sent and received); no rank holds another rank's rows
+    # the most bytes of message buffers (sent, received, a view's gradients from its backward on) alive at once in
+    # the step (`runtime.held_bytes`)
+    message_bytes: int = 0
+    # bytes the rank holds for training at the step: owned rows with their two Adam moments, and the most its
+    # message buffers held at once (`message_bytes`); no rank holds another rank's rows
     resident_bytes: int = 0
     # the most the owner's projections held in the step (each kept graph: its leaves and the tensors its backward
     # reads; or, projected again at the update, the splats and one pair's graph; a read behind's copy of its rows):
@@ -83,7 +88,7 @@ class StepRecord:
             "wait_s": dict(self.wait_s), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
             "bytes_by_kind": dict(self.bytes_by_kind), "remote_pairs": self.remote_pairs,
             "receives": self.receives, "receives_ahead": self.receives_ahead,
-            "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
+            "message_bytes": self.message_bytes, "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
             "projection_bytes": self.projection_bytes,
             "gaussians_owned": self.gaussians_owned,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
@@ -105,6 +110,7 @@ class WaitLog:
         self.records: List[StepRecord] = []
         self.current = StepRecord(step=-1, rank=rank)
         self._nerfstudio_s = 0.0  # of the current step: nerfstudio's work inside it (`nerfstudio`)
+        self.held = HeldBytes()  # the rank's message buffers alive (the channels', the exchanges', the gradients')
 
     def begin(self, step: int) -> StepRecord:
         now = time.perf_counter()
