@@ -5,19 +5,20 @@
 
 For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
 densification off, so the count stays; SH degree 3 from step 3, so that every one of a row's 59 columns trains, as
-the floor's do: below degree 3 the update skips the coefficients that do not train) under each policy, one after
-the other in this invocation. From each run's odin_stats.json, per step and rank: render, update, bookkeeping, loop,
-planning and wait in ms (mean over the steps at degree 3 before the counted ones, from the one after the phase
-start the change to degree 3 makes: later phase starts included); the tensor operations the runtime's
-side of a step (validate and publish: all but the render) dispatches and the host syncs among them, counted on
-the last `--count-steps` steps (`runtime.op_count`: what a GPU pays per kernel launch and per stall,
-machine-independent); peak resident Gaussians
-per rank (its owned rows) as a share of the model. The floor: an Adam step over a rank's owned rows written as
-three in-place operations on one packed [rows, 59] tensor (the moments' two, the parameters' one), on one thread
-(as each of 2 ranks on 2 cores gets), timed in this same invocation; `torch.optim.Adam` over the six parameters is
-timed beside it. The targets of the runtime at scale (its own work: update + bookkeeping + loop + planning, every
-step, at most 3x the floor; operations and syncs flat in the block count, syncs at most 2) are printed beside the
-figures. An owner's projections for its readers and their backward count as render.
+the floor's do: below degree 3 the update skips the coefficients that do not train) under each policy, one after the
+other in this invocation. From each run's odin_stats.json, per step and rank: render, update, bookkeeping, loop,
+planning and wait in ms (mean over the steps at degree 3 before the counted ones, from the one after the phase start
+the change to degree 3 makes: later phase starts included); the tensor operations the runtime's side of a step
+(validate and publish: all but the render) dispatches and the host syncs among them, counted on the last
+`--count-steps` steps (`runtime.op_count`: what a GPU pays per kernel launch and per stall, machine-independent);
+peak resident Gaussians per rank (its owned rows) as a share of the model, and its peak bytes (owned rows with
+Adam's moments and the most its message buffers held at once) as a share of one process's rows with moments. The
+floor: an Adam step over a rank's owned rows written as three in-place operations on one packed [rows, 59] tensor
+(the moments' two, the parameters' one), on one thread (as each of 2 ranks on 2 cores gets), timed in this same
+invocation; `torch.optim.Adam` over the six parameters is timed beside it. The targets of the runtime at scale (its
+own work: update + bookkeeping + loop + planning, every step, at most 3x the floor; operations and syncs flat in the
+block count, syncs at most 2) are printed beside the figures. An owner's projections for its readers and their
+backward count as render.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def per_step(stats: Dict, count_from: int) -> Dict:
     out["gaussians"] = total
     out["owned_mean"] = statistics.mean(owned)
     out["resident_share"] = summary["peak_resident_share"]
+    out["bytes_share"] = summary.get("peak_bytes_share", [])
     out["blocks"] = round(summary["mean_blocks_total"])
     out["timed_steps"] = len({r["step"] for r in timed})
     return out
@@ -180,7 +182,8 @@ def print_table(rows: List[Dict]) -> None:
                 "wall - render"):
         table.add_column(col, justify="right")
     for r in rows:
-        resident = ", ".join(f"{s:.0%}" for s in r["resident_share"])
+        resident = ", ".join(f"{s:.0%}" for s in r["resident_share"]) + " / " + \
+            ", ".join(f"{s:.0%}" for s in r.get("bytes_share", []))
         table.add_row(r["method"], f"{r['gaussians']}", f"{r['blocks']} ({r['block_size']})",
                       *(f"{r[k]:.1f}" for k in ("render", "update", "bookkeeping", "loop", "plan", "wait")),
                       f"{r['runtime_ms']:.1f} / {r['adam_floor_ms']:.2f} = {r['floor_ratio']:.1f}x "
@@ -193,7 +196,8 @@ def print_table(rows: List[Dict]) -> None:
           f"{TARGET_FLOOR_RATIO}x the Adam floor (an Adam step over a rank's owned rows as three in-place "
           "operations, one thread, timed in this invocation; torch.optim.Adam in brackets); operations per step flat "
           "in the block count, host syncs at most 2; wall - render <= 25% at 200k Gaussians; resident per rank: its "
-          "owned rows, as a share of the model.")
+          "owned rows, as a share of the model / its peak bytes (owned rows with Adam's moments and the most its "
+          "message buffers held at once) as a share of one process's rows with moments.")
 
 
 if __name__ == "__main__":
