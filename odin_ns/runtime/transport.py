@@ -125,7 +125,11 @@ class Channels:
             received += tensor.numel() * tensor.element_size()
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        if self.device.type == "cuda":
+            works = dist.batch_isend_irecv(ops)
+        else:  # gloo coalesces nothing: batch_isend_irecv would post each operation in turn, after checks that
+            # cost as much again as the posting (about 60 against 25 us for a send and a receive)
+            works = [op.op(op.tensor, op.peer, group=self.group) for op in ops]
         self.log.add_traffic(sent, received, kind)
         self.log.current.receives += len(recv_ops)
         if ahead:
