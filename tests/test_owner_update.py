@@ -52,7 +52,9 @@ def test_evidence_counts_every_parameter_and_a_parameter_without_gradient_does_n
         assert result.rows.tolist() == touched
         untouched = [r for r in range(N) if r not in touched]
         assert torch.equal(before[untouched], after[untouched]), step
-        expected = (after[touched] - before[touched]).double().pow(2).sum(dim=1)
+        # per parameter its columns' squared change (float32), the parameters' sums added in float64
+        expected = sum((after[touched, c0:c1] - before[touched, c0:c1]).pow(2).sum(dim=1).double()
+                       for c0, c1 in param_columns(NUM_REST).values())
         assert bool((expected > 0).all())
         torch.testing.assert_close(result.delta_sq, expected)  # every parameter's change, not one (sums in order)
         for name in PARAM_NAMES:  # the SH coefficients above the active degree: no gradient, no moment, no step

@@ -33,7 +33,8 @@ from odin_ns.scene.selective_adam import TouchedRows
 @dataclass
 class UpdateResult:
     rows: torch.Tensor  # [T] owned rows the step touched, ascending (what the bounds check tests)
-    delta_sq: Optional[torch.Tensor]  # [T] float64: squared change of the row's packed parameters (evidence)
+    delta_sq: Optional[torch.Tensor]  # [T] float64: squared change of the row's packed parameters (evidence): per
+    # parameter summed over its columns in float32, the six sums added in float64
 
 
 class OwnerUpdate:
@@ -83,8 +84,9 @@ class OwnerUpdate:
                 before, after = optimizer.step_touched(touched, grad, keep_before=evidence, width=trained)
             else:
                 before, after, _ = optimizer.step_rows(rows, grad, keep_before=evidence, width=trained)
-            if T and delta_sq is not None:
-                change = (after - before).double().pow(2).flatten(1).sum(dim=1)
+            if T and delta_sq is not None:  # a row's squared change over the parameter's columns in float32, the
+                # parameters' sums added in float64 (the whole row in float64 cost more than the update itself)
+                change = torch.sub(after, before).square_().flatten(1).sum(dim=1)
                 delta_sq += change.index_select(0, rows) if masked else change
         if track:
             self._add_statistics(rows, acc[:n], radii[:n], n_owned)
