@@ -21,13 +21,17 @@ def test_a_buffer_counts_while_it_is_alive_and_once_with_its_views():
     held = HeldBytes()
     a, b = torch.zeros(1000), torch.zeros(10, 50)
     held.hold(a)
-    held.hold(a[10:20])  # a view: its base, already held
+    held.hold(a[10:20])  # a view: its storage, already held
+    alias = a.detach()  # another tensor on the same storage
+    held.hold(alias)
     held.hold(b)
     assert held.now == 4000 + 2000
     view = a[:5]
     del a
     assert held.now == 6000, "a view keeps its base alive"
-    del view, b
+    del view
+    assert held.now == 6000, "the storage lives while a held alias does"
+    del alias, b
     assert held.now == 0
     assert held.take_peak() == 6000 and held.take_peak() == 0
 

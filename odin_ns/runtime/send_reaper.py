@@ -23,12 +23,13 @@ import torch.distributed as dist
 class SendReaper:
     """`add(peer, work, tensor)`: wait for the send in the background and let its tensor go; `drain()`: until every
     send added so far is delivered (a phase's end); `error`: the first failure of a wait (a peer that died: the
-    rank's own receives report it where they wait)."""
+    rank's own receives report it where they wait). A wait has the process group's timeout, as the phase's flush had."""
 
     def __init__(self) -> None:
         self._queues: Dict[int, "queue.Queue"] = {}
         self._threads: List[threading.Thread] = []
         self.error: Optional[BaseException] = None
+        self._lock = threading.Lock()
 
     def add(self, peer: int, work: dist.Work, tensor: torch.Tensor) -> None:
         q = self._queues.get(peer)
@@ -43,10 +44,12 @@ class SendReaper:
         while True:
             item = q.get()
             try:
-                if self.error is None:
-                    item[0].wait()
-            except BaseException as exc:  # a peer gone: later waits would fail the same way
-                self.error = exc
+                item[0].wait()  # every send is waited for, even after a failure: a send to a live peer completes
+                # once its receive is posted (dropped before, its tensor could be freed under the transport), one
+                # to a lost peer fails at once
+            except BaseException as exc:  # noqa: BLE001 (kept for the posting thread)
+                with self._lock:
+                    self.error = self.error or exc  # the first failure says what happened
             finally:
                 item = None  # the work and its tensor go here, not at the next message
                 q.task_done()
