@@ -120,6 +120,8 @@ def test_the_splats_an_odin_run_moves_and_holds(runs):
     assert s["bytes_per_pair_to_reader"] <= 44.5 and s["bytes_per_pair_back"] <= 40.0
     assert max(s["peak_resident_share"]) < 0.7  # its owned rows, of the whole model
     assert max(s["peak_bytes_share"]) < 0.75  # of one process's rows with Adam's moments
+    # the message buffers alive at once: some, and fewer than the run moved (each is let go once delivered)
+    assert all(0 < m < s["bytes_sent"] for m in s["peak_message_bytes_per_rank"]), s["peak_message_bytes_per_rank"]
 
 
 def test_two_views_per_rank_equal_one_process_with_four(runs):

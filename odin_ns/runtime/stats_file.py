@@ -73,6 +73,9 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "peak_bytes_per_rank": [max((r.get("resident_bytes", 0) for r in records if r["rank"] == q), default=0)
                                 for q in range(world_size)],
         "peak_bytes_share": bytes_share(records, world_size),
+        # the most message bytes (sends, receives, gradients) a rank held at once (`runtime.held_bytes`)
+        "peak_message_bytes_per_rank": [max((r.get("message_bytes", 0) for r in records if r["rank"] == q),
+                                            default=0) for q in range(world_size)],
         "peak_projection_bytes_per_rank": [max((r.get("projection_bytes", 0) for r in records if r["rank"] == q),
                                                default=0) for q in range(world_size)],
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
