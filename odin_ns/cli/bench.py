@@ -260,9 +260,8 @@ def print_table(rows: List[Dict], title: str) -> None:
           "buffers held at once) and their share of one process's (every row with Adam's moments), in brackets the "
           "MB its projections for its readers held at most (their graphs; with --pipeline.projection-memory "
           "recompute their splats and a pair's graph at the update). 'stale/refused': block reads admitted behind "
-          "the newest version, and "
-          "refused (waited for). 'replayed wall': the wall the replay of the run's own lists with its measured costs "
-          "predicts (odin-schedule --costs), and its error.")
+          "the newest version, and refused (waited for). 'replayed wall': the wall the replay of the run's own "
+          "lists with its measured costs predicts (odin-schedule --costs), and its error.")
 
 
 def train_main(argv: List[str]) -> int:

@@ -117,7 +117,7 @@ def per_step(stats: Dict, count_from: int) -> Dict:
     out["gaussians"] = total
     out["owned_mean"] = statistics.mean(owned)
     out["resident_share"] = summary["peak_resident_share"]
-    out["bytes_share"] = summary.get("peak_bytes_share", [])
+    out["bytes_share"] = summary["peak_bytes_share"]
     out["blocks"] = round(summary["mean_blocks_total"])
     out["timed_steps"] = len({r["step"] for r in timed})
     return out
@@ -183,7 +183,7 @@ def print_table(rows: List[Dict]) -> None:
         table.add_column(col, justify="right")
     for r in rows:
         resident = ", ".join(f"{s:.0%}" for s in r["resident_share"]) + " / " + \
-            ", ".join(f"{s:.0%}" for s in r.get("bytes_share", []))
+            ", ".join(f"{s:.0%}" for s in r["bytes_share"])
         table.add_row(r["method"], f"{r['gaussians']}", f"{r['blocks']} ({r['block_size']})",
                       *(f"{r[k]:.1f}" for k in ("render", "update", "bookkeeping", "loop", "plan", "wait")),
                       f"{r['runtime_ms']:.1f} / {r['adam_floor_ms']:.2f} = {r['floor_ratio']:.1f}x "

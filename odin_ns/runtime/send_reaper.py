@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,6 @@ class SendReaper:
 
     def __init__(self) -> None:
         self._queues: Dict[int, "queue.Queue"] = {}
-        self._threads: List[threading.Thread] = []
         self.error: Optional[BaseException] = None
         self._lock = threading.Lock()
 
@@ -35,9 +34,7 @@ class SendReaper:
         q = self._queues.get(peer)
         if q is None:
             q = self._queues[peer] = queue.Queue()
-            thread = threading.Thread(target=self._run, args=(q,), name=f"odin-sends-to-{peer}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=self._run, args=(q,), name=f"odin-sends-to-{peer}", daemon=True).start()
         q.put((work, tensor))
 
     def _run(self, q: "queue.Queue") -> None:

@@ -249,7 +249,7 @@ class SplatPath(SplatReader):
             heads.append((q, torch.cat(head)))
             views.append([(q, part) for part in parts])
             rt.channels.note("P", update, q, "send")
-        sends = heads + [m for k in range(max(map(len, views), default=0)) for v in views if k < len(v) for m in [v[k]]]
+        sends = heads + [v[k] for k in range(max(map(len, views), default=0)) for v in views if k < len(v)]
         rt.channels.batch(sends, [], "transfer", "P")
 
     # ---- U: the owner's update -------------------------------------------------------------------------------
