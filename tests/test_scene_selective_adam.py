@@ -373,6 +373,13 @@ def test_step_touched_equals_step_rows_bit_for_bit():
         init[::5] = -0.0  # a parameter's sign of zero stays where its row is not touched
         pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
         a, b = SelectiveAdam([pa], lr=3e-2, eps=1e-15), SelectiveAdam([pb], lr=3e-2, eps=1e-15)
+        # moments of either sign from the start (a -0.0 parameter beside a negative first moment: 0 * m is +0.0
+        # there, which must not reach the parameter), on every other row
+        odd = (torch.arange(n) % 2 == 1).view((n,) + (1,) * len(shape))
+        m0 = torch.where(odd, torch.randn((n,) + shape, generator=g), 0.0)  # +0.0 elsewhere (Adam makes no -0.0)
+        v0 = m0.square() * 2
+        for opt, param in ((a, pa), (b, pb)):
+            opt.state[param].update(step=torch.tensor(0.0), exp_avg=m0.clone(), exp_avg_sq=v0.clone())
         for t in range(6):
             touched = torch.rand(n, generator=g) < 0.7
             rows = torch.nonzero(touched).flatten()

@@ -85,6 +85,8 @@ class SelectiveAdam(torch.optim.Optimizer):
         self._counts: dict = {}  # id(step tensor) -> (the tensor, its value): see _advance
         self.visibility: Optional[Tensor] = None
         self._work: Optional[List[Tensor]] = None  # step_rows' buffers, kept between steps: see _buffers
+        self._grad: Optional[Tensor] = None  # a narrow gradient made contiguous: see _begin_single
+        self._kept_before: Optional[Tensor] = None  # the rows' values before a step: see _before
 
     @torch.no_grad()
     def step(self, visibility: Optional[Tensor] = None, closure: Optional[Callable[[], float]] = None):
@@ -156,25 +158,24 @@ class SelectiveAdam(torch.optim.Optimizer):
         """One update of this optimizer's (single) parameter on the given rows only, with their gradient rows: the
         same arithmetic as `step(visibility)` with exactly those rows visible, without a gradient or a mask the
         size of the parameter (the owner's update touches what the step touched). The step count advances as in
-        `step`. Returns the rows' values before (only if `keep_before`: a copy), after, and their first moment
-        after (a row whose first moment is all zero did not change: its step is zero).
+        `step`. Returns the rows' values before (only if `keep_before`: a copy, valid until the next step), after,
+        and their first moment after (a row whose first moment is all zero did not change: its step is zero).
 
         `width`: update only the first `width` entries of each row's second dimension (`grad` may have just those).
         The caller vouches that the others have a zero gradient and zero moments, where Adam is a no-op bit for bit
         (m and v stay 0, p moves by -lr * 0 / eps): the SH coefficients above the degree a step trains
         (`OwnerUpdate`)."""
         p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt) = self._begin_single(grad, width)
-        p_r, m_r, v_r, denom = self._buffers(p, rows.shape[0])  # a strided `grad` is read as it is (elementwise
-        # operations give the same bits whatever the strides; a copy first would cost a pass)
+        p_r, m_r, v_r, denom = self._buffers(p, rows.shape[0])
         if rows.shape[0] == p.shape[0] and rows.numel():  # every row (rows ascending, distinct): in place, no
             # gather; the same operations on the same values, element by element
             data = p.data
-            before = data.clone() if keep_before else None
+            before = self._before(data) if keep_before else None
             _adam_rows(data, grad, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom)
             return before, data, m
         torch.index_select(p, 0, rows, out=p_r)
         torch.index_select(m, 0, rows, out=m_r)
-        before = p_r.clone() if keep_before else None
+        before = self._before(p_r) if keep_before else None
         if rows.numel() == 0:
             return before, p_r, m_r
         torch.index_select(v, 0, rows, out=v_r)
@@ -190,23 +191,23 @@ class SelectiveAdam(torch.optim.Optimizer):
         """`step_rows` on the rows `touched` ([N] bool) marks, computed in place over every row: `grad` [N, ...]
         must be zero on the rows not touched. Adam's operations run with per-row factors that are Adam's own on a
         touched row and make it a no-op on the others: m <- lerp(m, g, 0) = m, v <- v * 1 + 0, p <- p + (-0.0) / denom
-        = p (the step is set to -0.0 there: 0 * m would be a zero of m's sign, and +0.0 added to a -0.0 parameter
-        makes it +0.0; m and v never hold -0.0, which Adam cannot make from zeros). On a touched row the
-        factors are the scalars Adam uses, rounded to the parameter's dtype as a scalar operand is, and the step
-        is written m * s / denom, the order in which `addcdiv_` evaluates value * m / denom: the same bits (tested
-        against `step_rows`). Where most rows are touched this saves the gathers and scatters of p, m and v. Returns
-        the parameter's values before (a copy, if `keep_before`) and after (the parameter itself). `touched` may
-        come as the step's `TouchedRows`, whose factors the parameters of one step share."""
+        = p (the step is made -0.0 there: 0 * m is a zero of m's sign, and +0.0 added to a -0.0 parameter makes it
+        +0.0; m and v never hold -0.0, which Adam cannot make from zeros; a row whose m is not finite has a NaN
+        parameter already, as Adam made that m). On a touched row the factors are the scalars Adam uses, rounded to
+        the parameter's dtype as a scalar operand is, and the step is written m * s / denom, the order in which
+        `addcdiv_` evaluates value * m / denom: the same bits (tested against `step_rows`). Where most rows are
+        touched this saves the gathers and scatters of p, m and v. Returns the parameter's values before (a copy, if
+        `keep_before`, valid until the next step) and after (the parameter itself). `touched` may come as the step's
+        `TouchedRows`, whose factors the parameters of one step share."""
         p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt) = self._begin_single(grad, width)
         mask = touched if isinstance(touched, TouchedRows) else TouchedRows(touched)
         denom, step_m = self._buffers(p, p.shape[0])[:2]
-        before = p.clone() if keep_before else None
+        before = self._before(p) if keep_before else None
         m.lerp_(grad, mask.factor(1 - beta1, 0.0, p))
         v.mul_(mask.factor(beta2, 1.0, p)).addcmul_(grad, grad, value=1 - beta2)
-        torch.sqrt(v, out=denom)
-        denom.div_(bias2_sqrt).add_(eps)
+        _denominator(v, denom, bias2_sqrt, eps)
         torch.mul(m, mask.factor(-(lr / bias1), 0.0, p), out=step_m)
-        step_m.masked_fill_(mask.untouched(p), -0.0)
+        mask.negative_zero_untouched(step_m)
         p.addcdiv_(step_m, denom)
         return before, p
 
@@ -231,12 +232,26 @@ class SelectiveAdam(torch.optim.Optimizer):
         p, m, v = p.data, state["exp_avg"], state["exp_avg_sq"]
         if width is not None and width < p.shape[1]:
             p, m, v, grad = p[:, :width], m[:, :width], v[:, :width], grad[:, :width]
+        if grad.device.type == "cpu" and not grad.is_contiguous() and grad[0].numel() < TouchedRows.NARROW:
+            # a strided gradient of narrow rows (a parameter's columns of the update's sum) costs torch's CPU loops
+            # ten to fifty times a contiguous one (lerp_ over [100k, 3] columns of [100k, 62], one thread: 1.8
+            # against 0.04 ms), more than a copy (0.3 ms); wider rows are read as they are (elementwise operations
+            # give the same bits whatever the strides)
+            self._grad = kept_rows(self._grad, grad.shape[0], grad.shape[1:], grad.dtype, grad.device)
+            grad = self._grad[:grad.shape[0]].copy_(grad)
         lr, eps, (beta1, beta2) = group["lr"], group["eps"], group["betas"]
         if group["bias_correction"]:
             bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
         else:
             bias1, bias2_sqrt = 1.0, 1.0
         return p, m, v, grad, (lr, eps, beta1, beta2, bias1, bias2_sqrt)
+
+    def _before(self, values: Tensor) -> Tensor:
+        """A copy of `values` in a buffer kept between steps (a fresh copy the size of a parameter costs its page
+        faults on the CPU, about twice the copy): valid until this optimizer's next step, which writes it again."""
+        self._kept_before = kept_rows(self._kept_before, values.shape[0], values.shape[1:], values.dtype,
+                                      values.device)
+        return self._kept_before[:values.shape[0]].copy_(values)
 
     def _buffers(self, p: Tensor, n: int) -> Tuple[Tensor, ...]:
         """Four contiguous [n, ...] buffers shaped like `p`'s rows (its rows, moments and Adam's denominator), kept
@@ -246,29 +261,49 @@ class SelectiveAdam(torch.optim.Optimizer):
 
 
 class TouchedRows:
-    """A step's touched rows as `step_touched` uses them: the mask, and the per-row factors and untouched mask
-    made once per step and shared by every parameter that needs the same ones (the moments' factors are the same
-    for parameters with the same betas; the step's factor is each parameter's own)."""
+    """A step's touched rows as `step_touched` uses them: the mask, and the per-row factors made once per step and
+    shared by every parameter that needs the same ones (the moments' factors are the same for parameters with the
+    same betas; the step's factor is each parameter's own).
+
+    A factor is a view [N, 1, ...] broadcast over a row, except for rows of a few elements (means, scales, quats,
+    colours, opacities), where it is made out to the parameter's shape: torch's CPU loops broadcast a per-row
+    operand over an inner dimension of 3 or 4 at about a tenth of their speed (lerp over [100k, 3], one thread:
+    0.38 ms broadcast, 0.04 ms with a full operand), and over 45 columns at nearly full speed."""
+
+    NARROW = 8  # rows of fewer elements take full-shape factors
 
     def __init__(self, touched: Tensor):
         self.touched = touched
         self._made: dict = {}
 
-    def factor(self, on: float, off: float, p: Tensor) -> Tensor:
-        """[N, 1, ...] like `p`: `on` on a touched row, `off` on the others, in `p`'s dtype."""
-        key = (repr(on), repr(off), p.dtype, p.dim())  # repr: -0.0 is not 0.0 here
+    def _shaped(self, key: tuple, row: Tensor, like: Tensor) -> Tensor:
+        """`row` [N] viewed as [N, 1, ...] like `like`, or made out to its shape for a narrow row; kept per key."""
+        full = like[0].numel() < self.NARROW
+        key = key + ((tuple(like.shape),) if full else (like.dim(),))
         if key not in self._made:
-            shape = (p.shape[0],) + (1,) * (p.dim() - 1)
-            self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=p.dtype),
-                                          torch.tensor(off, dtype=p.dtype)).view(shape)
+            view = row.view((like.shape[0],) + (1,) * (like.dim() - 1))
+            self._made[key] = view.expand(like.shape).contiguous() if full else view
         return self._made[key]
 
-    def untouched(self, p: Tensor) -> Tensor:
-        key = ("untouched", p.dim())
+    def factor(self, on: float, off: float, p: Tensor) -> Tensor:
+        """Like `p` (see the class): `on` on a touched row, `off` on the others, in `p`'s dtype."""
+        key = (repr(on), repr(off), p.dtype)  # repr: -0.0 is not 0.0 here
         if key not in self._made:
-            base = self._made.setdefault("untouched", ~self.touched)
-            self._made[key] = base.view((p.shape[0],) + (1,) * (p.dim() - 1))
-        return self._made[key]
+            self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=p.dtype),
+                                          torch.tensor(off, dtype=p.dtype))
+        return self._shaped(key, self._made[key], p)
+
+    def negative_zero_untouched(self, step: Tensor) -> None:
+        """`step`'s untouched rows, each a zero of either sign, made -0.0: in float32 by setting the sign bit (an OR
+        with a per-row word, a fifth of the cost of `masked_fill_`'s broadcast mask over 45 columns); the bits of a
+        touched row are left as they are."""
+        if step.dtype != torch.float32:
+            step.masked_fill_(self._shaped(("untouched",), ~self.touched, step), -0.0)
+            return
+        if "sign" not in self._made:
+            self._made["sign"] = torch.where(self.touched, torch.tensor(0, dtype=torch.int32),
+                                             torch.tensor(-2 ** 31, dtype=torch.int32))
+        step.view(torch.int32).bitwise_or_(self._shaped(("sign",), self._made["sign"], step))
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Optional[Tensor] = None) -> None:
@@ -277,9 +312,19 @@ def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Opti
     buffer like `v` for the denominator (the same operations, written in place)."""
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    p.addcdiv_(m, _denominator(v, denom, bias2_sqrt, eps), value=-(lr / bias1))
+
+
+def _denominator(v: Tensor, denom: Optional[Tensor], bias2_sqrt: float, eps: float) -> Tensor:
+    """Adam's denominator sqrt(v) / bias2_sqrt + eps, as torch.optim.Adam computes it (sqrt, div_, add_), into
+    `denom` (a new tensor if None). On the CPU the division and the addition run as one pass, `addcdiv` with the
+    two scalars as 0-dim tensors (eps + (1 * s) / b: the same two roundings in float32; the update is bound by
+    memory there, and a pass over the denominator is one of the update's nine); on CUDA as torch writes it."""
     if denom is None:
         denom = v.sqrt()
     else:
         torch.sqrt(v, out=denom)
-    denom.div_(bias2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / bias1))
+    if denom.device.type != "cpu":
+        return denom.div_(bias2_sqrt).add_(eps)
+    return torch.addcdiv(torch.tensor(eps, dtype=denom.dtype), denom, torch.tensor(bias2_sqrt, dtype=denom.dtype),
+                         out=denom)
