@@ -232,7 +232,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         p, m, v = p.data, state["exp_avg"], state["exp_avg_sq"]
         if width is not None and width < p.shape[1]:
             p, m, v, grad = p[:, :width], m[:, :width], v[:, :width], grad[:, :width]
-        if grad.device.type == "cpu" and not grad.is_contiguous() and grad[0].numel() < TouchedRows.NARROW:
+        if grad.device.type == "cpu" and not grad.is_contiguous() and grad.shape[1:].numel() < TouchedRows.NARROW:
             # a strided gradient of narrow rows (a parameter's columns of the update's sum) costs torch's CPU loops
             # ten to fifty times a contiguous one (lerp_ over [100k, 3] columns of [100k, 62], one thread: 1.8
             # against 0.04 ms), more than a copy (0.3 ms); wider rows are read as they are (elementwise operations
@@ -278,7 +278,7 @@ class TouchedRows:
 
     def _shaped(self, key: tuple, row: Tensor, like: Tensor) -> Tensor:
         """`row` [N] viewed as [N, 1, ...] like `like`, or made out to its shape for a narrow row; kept per key."""
-        full = like[0].numel() < self.NARROW
+        full = like.shape[1:].numel() < self.NARROW
         key = key + ((tuple(like.shape),) if full else (like.dim(),))
         if key not in self._made:
             view = row.view((like.shape[0],) + (1,) * (like.dim() - 1))
