@@ -73,10 +73,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer = config.setup(local_rank=env.local_rank, world_size=env.world_size)
         trainer.setup()
         trainer.train()
-    except Exception as exc:
-        if env.distributed and say_lost_peer(env.rank, exc):
-            os._exit(1)  # no teardown: collectives with the lost peers would block it
-        raise
+    except (Exception, SystemExit) as exc:
+        if not env.distributed or (isinstance(exc, SystemExit) and isinstance(exc.code, (int, type(None)))):
+            raise  # alone, or an exit with a code (a stop the ranks agreed on: its collective parts are done)
+        if isinstance(exc, SystemExit):  # an `odin: error:` line, printed as the interpreter would
+            sys.stderr.write(f"{exc.code}\n")
+        elif not say_lost_peer(env.rank, exc):
+            sys.excepthook(type(exc), exc, exc.__traceback__)  # what the interpreter would print (torch's hook
+            # marks each line with the rank)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no teardown and no interpreter finalization: collectives with lost peers would block the one, and the
+        # other aborts the process (SIGABRT, "terminate called without an active exception") where a thread is
+        # still inside the transport's wait for a send (`runtime.send_reaper`) as its peer exits too: every rank
+        # failing at once did that in 3 of 6 runs
+        os._exit(1)
     if env.distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -225,6 +225,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         """Before the step: plan the phase if one starts here, then the program's actions before the renders:
         wait for (only) the publications the rank's views of `step` read, at the version the policy requires (the
         synchronous reference's for the exact policies). Returns the views."""
+        self.fault.raise_at(step, self.env.rank)
         record = self.log.begin(step)
         if self.plan is None or not self.plan.contains(step):
             record.phase_start = True

@@ -1,4 +1,4 @@
-"""Fault injection for tests of semantics 6: move a Gaussian by hand inside a phase, outside its planned bounds.
+"""Fault injection for tests: a Gaussian moved outside its planned bounds (semantics 6), an error on every rank.
 
 `ODIN_NS_FAULT_PUSH=STEP` picks the first step s >= STEP (inside one phase with s+1) where some view of step s+1
 does not read a non-empty block; the owner of the first such block (in (rank, view, block) order of the plan, the
@@ -6,6 +6,10 @@ same for every split of the global batch) moves the block's first Gaussian onto 
 its update of s. It fires once. No optimizer makes such a move (its motion is bounded),
 so the plan's read sets miss it; the runtime must notice and still give the synchronous result. Every rank
 applies the same rule to the same plan, so the runs of every policy push the same Gaussian to the same place.
+
+`ODIN_NS_FAULT_RAISE=STEP`: every rank raises `InjectedFault` as step STEP begins, with the messages of the step
+before in flight (the next reads' splats a rank sent and its peer will never receive): an error that is not a lost
+peer, on every rank at once, as a full disk or a bug would raise it.
 """
 
 from __future__ import annotations
@@ -19,15 +23,24 @@ import torch
 PUSH_DEPTH = 1.0  # world units in front of the camera
 
 
+class InjectedFault(RuntimeError):
+    """The error `ODIN_NS_FAULT_RAISE` raises."""
+
+
 @dataclass
 class FaultInjection:
     push_step: Optional[int] = None
     fired: bool = False
+    raise_step: Optional[int] = None
 
     @classmethod
     def from_environment(cls) -> "FaultInjection":
-        value = os.environ.get("ODIN_NS_FAULT_PUSH", "").strip()
-        return cls(push_step=int(value)) if value else cls()
+        push, fail = (os.environ.get(k, "").strip() for k in ("ODIN_NS_FAULT_PUSH", "ODIN_NS_FAULT_RAISE"))
+        return cls(push_step=int(push) if push else None, raise_step=int(fail) if fail else None)
+
+    def raise_at(self, step: int, rank: int) -> None:
+        if step == self.raise_step:
+            raise InjectedFault(f"injected fault at step {step} on rank {rank} (ODIN_NS_FAULT_RAISE)")
 
     def apply(self, engine, step: int, params: Dict[str, torch.Tensor]) -> None:
         if self.push_step is None or self.fired or step < self.push_step:
