@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 PUSH_DEPTH = 1.0  # world units in front of the camera
 
@@ -39,8 +40,13 @@ class FaultInjection:
         return cls(push_step=int(push) if push else None, raise_step=int(fail) if fail else None)
 
     def raise_at(self, step: int, rank: int) -> None:
-        if step == self.raise_step:
-            raise InjectedFault(f"injected fault at step {step} on rank {rank} (ODIN_NS_FAULT_RAISE)")
+        """Raise on every rank as `step` begins: after a barrier, so that no rank is stopped by the launcher or sees
+        its peer gone before it raises (a barrier is a collective of its own: the sends stay in flight)."""
+        if step != self.raise_step:
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        raise InjectedFault(f"injected fault at step {step} on rank {rank} (ODIN_NS_FAULT_RAISE)")
 
     def apply(self, engine, step: int, params: Dict[str, torch.Tensor]) -> None:
         if self.push_step is None or self.fired or step < self.push_step:

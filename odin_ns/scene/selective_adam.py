@@ -192,8 +192,10 @@ class SelectiveAdam(torch.optim.Optimizer):
         must be zero on the rows not touched. Adam's operations run with per-row factors that are Adam's own on a
         touched row and make it a no-op on the others: m <- lerp(m, g, 0) = m, v <- v * 1 + 0, p <- p + (-0.0) / denom
         = p (the step is made -0.0 there: 0 * m is a zero of m's sign, and +0.0 added to a -0.0 parameter makes it
-        +0.0; m and v never hold -0.0, which Adam cannot make from zeros; a row whose m is not finite has a NaN
-        parameter already, as Adam made that m). On a touched row the factors are the scalars Adam uses, rounded to
+        +0.0; m and v never hold -0.0, which Adam cannot make from zeros). A first moment that is not finite, which
+        Adam does not make (its row's parameter would be NaN already) but a loaded state may hold, turns an untouched
+        row's m and parameter NaN here (lerp with weight 0 is m + 0 * (g - m)), where `step_rows` leaves them; no
+        other state differs. On a touched row the factors are the scalars Adam uses, rounded to
         the parameter's dtype as a scalar operand is, and the step is written m * s / denom, the order in which
         `addcdiv_` evaluates value * m / denom: the same bits (tested against `step_rows`). Where most rows are
         touched this saves the gathers and scatters of p, m and v. Returns the parameter's values before (a copy, if
@@ -324,7 +326,8 @@ def _denominator(v: Tensor, denom: Optional[Tensor], bias2_sqrt: float, eps: flo
         denom = v.sqrt()
     else:
         torch.sqrt(v, out=denom)
-    if denom.device.type != "cpu":
+    if denom.device.type != "cpu" or denom.dtype not in (torch.float32, torch.float64):  # (a 0-dim half would
+        # round the divisor to half, where `div_` computes with the Python scalar)
         return denom.div_(bias2_sqrt).add_(eps)
     return torch.addcdiv(torch.tensor(eps, dtype=denom.dtype), denom, torch.tensor(bias2_sqrt, dtype=denom.dtype),
                          out=denom)
