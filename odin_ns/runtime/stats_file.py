@@ -21,6 +21,11 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _rank_max(records: List[dict], key: str, world_size: int) -> List:
+    """Each rank's largest `key` over its records (0 where a record lacks it or the rank has none)."""
+    return [max((r.get(key, 0) for r in records if r["rank"] == q), default=0) for q in range(world_size)]
+
+
 def _train_wall(records: List[dict]) -> float:
     """From the first step's start to the last step's end, on the rank that finished last (the training loop)."""
     if not records:
@@ -67,17 +72,13 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "per_rank": per_rank,
         "no_wait_bound_s": max((p["render_s"] + p["update_s"] + p["background_update_s"] for p in per_rank),
                                default=0.0),
-        "peak_gaussians_owned": [max((r["gaussians_owned"] for r in records if r["rank"] == q), default=0)
-                                 for q in range(world_size)],
+        "peak_gaussians_owned": _rank_max(records, "gaussians_owned", world_size),
         "peak_resident_share": resident_share(records, world_size),
-        "peak_bytes_per_rank": [max((r.get("resident_bytes", 0) for r in records if r["rank"] == q), default=0)
-                                for q in range(world_size)],
+        "peak_bytes_per_rank": _rank_max(records, "resident_bytes", world_size),
         "peak_bytes_share": bytes_share(records, world_size),
         # the most message bytes (sends, receives, gradients) a rank held at once (`runtime.held_bytes`)
-        "peak_message_bytes_per_rank": [max((r.get("message_bytes", 0) for r in records if r["rank"] == q),
-                                            default=0) for q in range(world_size)],
-        "peak_projection_bytes_per_rank": [max((r.get("projection_bytes", 0) for r in records if r["rank"] == q),
-                                               default=0) for q in range(world_size)],
+        "peak_message_bytes_per_rank": _rank_max(records, "message_bytes", world_size),
+        "peak_projection_bytes_per_rank": _rank_max(records, "projection_bytes", world_size),
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
         "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),

@@ -287,13 +287,16 @@ class TouchedRows:
             self._made[key] = view.expand(like.shape).contiguous() if full else view
         return self._made[key]
 
+    def _per_row(self, on, off, dtype: torch.dtype) -> Tuple[tuple, Tensor]:
+        """[N] in `dtype`: `on` on a touched row, `off` on the others; its key, made once."""
+        key = (repr(on), repr(off), dtype)  # repr: -0.0 is not 0.0 here
+        if key not in self._made:
+            self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=dtype), torch.tensor(off, dtype=dtype))
+        return key, self._made[key]
+
     def factor(self, on: float, off: float, p: Tensor) -> Tensor:
         """Like `p` (see the class): `on` on a touched row, `off` on the others, in `p`'s dtype."""
-        key = (repr(on), repr(off), p.dtype)  # repr: -0.0 is not 0.0 here
-        if key not in self._made:
-            self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=p.dtype),
-                                          torch.tensor(off, dtype=p.dtype))
-        return self._shaped(key, self._made[key], p)
+        return self._shaped(*self._per_row(on, off, p.dtype), p)
 
     def negative_zero_untouched(self, step: Tensor) -> None:
         """`step`'s untouched rows, each a zero of either sign, made -0.0: in float32 by setting the sign bit (an OR
@@ -302,10 +305,7 @@ class TouchedRows:
         if step.dtype != torch.float32:
             step.masked_fill_(self._shaped(("untouched",), ~self.touched, step), -0.0)
             return
-        if "sign" not in self._made:
-            self._made["sign"] = torch.where(self.touched, torch.tensor(0, dtype=torch.int32),
-                                             torch.tensor(-2 ** 31, dtype=torch.int32))
-        step.view(torch.int32).bitwise_or_(self._shaped(("sign",), self._made["sign"], step))
+        step.view(torch.int32).bitwise_or_(self._shaped(*self._per_row(0, -2 ** 31, torch.int32), step))
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Optional[Tensor] = None) -> None:
