@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from odin_ns.runtime.owner_update import OwnerUpdate
+from odin_ns.runtime.owner_update import OwnerUpdate, row_sums
 from odin_ns.runtime.sharded import PARAM_NAMES, pack_params, param_columns
 from odin_ns.scene.selective_adam import SelectiveAdam
 
@@ -149,3 +149,12 @@ def test_the_in_place_masked_update_equals_the_gathered_one():
     for key in ("grad2d", "count", "radii"):
         assert torch.equal(ma.strategy_state[key], mb.strategy_state[key]), key
     assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+
+
+def test_row_sums_are_torch_sums_bit_for_bit():
+    """The evidence's per-row sums over a narrow parameter's columns (columns added in order on the CPU) are the
+    bits of torch's `sum(dim=1)`, over squares spanning 70 decades (where the order of the additions shows)."""
+    g = torch.Generator().manual_seed(5)
+    for k in range(1, 7):
+        x = (torch.randn(200_000, k, generator=g) * 2.0 ** torch.randint(-60, 60, (200_000, k), generator=g)).square()
+        assert torch.equal(row_sums(x).view(torch.int32), x.sum(dim=1).view(torch.int32)), k

@@ -365,18 +365,21 @@ def test_step_rows_equals_a_masked_step_through_parameter_replacements():
 def test_step_touched_equals_step_rows_bit_for_bit():
     """`step_touched` (in place over every row, Adam a no-op on the rows not touched) gives the bits `step_rows`
     gives (gathered rows), parameters and moments, signs of zeros included, on a whole parameter and on the leading
-    SH coefficients of one (strided views, a strided gradient), through steps with different touched rows."""
+    SH coefficients of one (strided views, a strided gradient), through steps with different touched rows; in
+    float32 and float64 (a narrow row's factors made from its mask, the other dtype's zeros made -0.0 by a fill)."""
     g = torch.Generator().manual_seed(21)
-    for shape, width in (((3,), None), ((15, 3), 8), ((1,), None)):
+    for shape, width, dtype in (((3,), None, torch.float32), ((15, 3), 8, torch.float32), ((1,), None, torch.float32),
+                                ((4,), None, torch.float64), ((15, 3), None, torch.float64)):
         n = 301
-        init = torch.randn((n,) + shape, generator=g)
+        init = torch.randn((n,) + shape, generator=g, dtype=dtype)
         init[::5] = -0.0  # a parameter's sign of zero stays where its row is not touched
         pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
         a, b = SelectiveAdam([pa], lr=3e-2, eps=1e-15), SelectiveAdam([pb], lr=3e-2, eps=1e-15)
         # moments of either sign from the start (a -0.0 parameter beside a negative first moment: 0 * m is +0.0
         # there, which must not reach the parameter), on every other row
         odd = (torch.arange(n) % 2 == 1).view((n,) + (1,) * len(shape))
-        m0 = torch.where(odd, torch.randn((n,) + shape, generator=g), 0.0)  # +0.0 elsewhere (Adam makes no -0.0)
+        # +0.0 elsewhere (Adam makes no -0.0)
+        m0 = torch.where(odd, torch.randn((n,) + shape, generator=g, dtype=dtype), 0.0)
         v0 = m0.square() * 2
         for opt, param in ((a, pa), (b, pb)):
             opt.state[param].update(step=torch.tensor(0.0), exp_avg=m0.clone(), exp_avg_sq=v0.clone())
@@ -384,9 +387,10 @@ def test_step_touched_equals_step_rows_bit_for_bit():
             touched = torch.rand(n, generator=g) < 0.7
             rows = torch.nonzero(touched).flatten()
             scale = 10.0 ** torch.randint(-8, 2, (n,) + (1,) * len(shape), generator=g).float()
-            wide = torch.zeros((n, 64))  # the update's sum: a parameter's columns are a strided slice
+            wide = torch.zeros((n, 64), dtype=dtype)  # the update's sum: a parameter's columns are a strided slice
             cols = int(torch.Size(shape).numel())
-            wide[:, 5:5 + cols] = (torch.randn((n,) + shape, generator=g) * scale).flatten(1) * touched[:, None]
+            wide[:, 5:5 + cols] = (torch.randn((n,) + shape, generator=g, dtype=dtype) * scale).flatten(1) * touched[
+                :, None]
             grad = wide[:, 5:5 + cols].reshape((n,) + shape)
             before_a, after_a, _ = a.step_rows(rows, grad.index_select(0, rows), keep_before=True, width=width)
             before_b, after_b = b.step_touched(touched, grad, keep_before=True, width=width)

@@ -270,7 +270,9 @@ class TouchedRows:
     A factor is a view [N, 1, ...] broadcast over a row, except for rows of a few elements (means, scales, quats,
     colours, opacities), where it is made out to the parameter's shape: torch's CPU loops broadcast a per-row
     operand over an inner dimension of 3 or 4 at about a tenth of their speed (lerp over [100k, 3], one thread:
-    0.38 ms broadcast, 0.04 ms with a full operand), and over 45 columns at nearly full speed."""
+    0.38 ms broadcast, 0.04 ms with a full operand), and over 45 columns at nearly full speed. Such a factor is
+    made from a full-shape mask (1 on a touched row), one per shape and step, multiplied by the factor's values
+    (0.04 ms, where making each factor out by a broadcast copy took 0.23)."""
 
     NARROW = 8  # rows of fewer elements take full-shape factors
 
@@ -278,34 +280,66 @@ class TouchedRows:
         self.touched = touched
         self._made: dict = {}
 
-    def _shaped(self, key: tuple, row: Tensor, like: Tensor) -> Tensor:
-        """`row` [N] viewed as [N, 1, ...] like `like`, or made out to its shape for a narrow row; kept per key."""
-        full = like.shape[1:].numel() < self.NARROW
-        key = key + ((tuple(like.shape),) if full else (like.dim(),))
+    def _kept(self, key: tuple, make: Callable[[], Tensor]) -> Tensor:
         if key not in self._made:
-            view = row.view((like.shape[0],) + (1,) * (like.dim() - 1))
-            self._made[key] = view.expand(like.shape).contiguous() if full else view
+            self._made[key] = make()
         return self._made[key]
 
-    def _per_row(self, on, off, dtype: torch.dtype) -> Tuple[tuple, Tensor]:
-        """[N] in `dtype`: `on` on a touched row, `off` on the others; its key, made once."""
-        key = (repr(on), repr(off), dtype)  # repr: -0.0 is not 0.0 here
-        if key not in self._made:
-            self._made[key] = torch.where(self.touched, torch.tensor(on, dtype=dtype), torch.tensor(off, dtype=dtype))
-        return key, self._made[key]
+    def _per_row(self, on, off, dtype: torch.dtype) -> Tensor:
+        """[N] in `dtype`: `on` on a touched row, `off` on the others."""
+        return self._kept(("row", repr(on), repr(off), dtype), lambda: torch.where(  # repr: -0.0 is not 0.0 here
+            self.touched, torch.tensor(on, dtype=dtype), torch.tensor(off, dtype=dtype)))
+
+    def _row_view(self, row: Tensor, like: Tensor) -> Tensor:
+        return row.view((like.shape[0],) + (1,) * (like.dim() - 1))
+
+    def _narrow(self, like: Tensor) -> bool:
+        return like.shape[1:].numel() < self.NARROW
+
+    def _made_out(self, row: Tensor, like: Tensor) -> Tensor:
+        """[N] made out to `like`'s shape, contiguous: a broadcast copy (kept by the caller)."""
+        return self._row_view(row, like).expand(like.shape).contiguous()
+
+    def _inside(self, like: Tensor) -> Tensor:
+        """Shaped like `like`, contiguous, in its dtype: 1 on a touched row, 0 on the others."""
+        return self._kept(("inside", tuple(like.shape), like.dtype), lambda: self._made_out(
+            self.touched.to(like.dtype), like))
+
+    def _outside(self, like: Tensor) -> Tensor:
+        """`_inside`'s complement: 1 on a row not touched."""
+        return self._kept(("outside", tuple(like.shape), like.dtype), lambda: torch.sub(1, self._inside(like)))
 
     def factor(self, on: float, off: float, p: Tensor) -> Tensor:
-        """Like `p` (see the class): `on` on a touched row, `off` on the others, in `p`'s dtype."""
-        return self._shaped(*self._per_row(on, off, p.dtype), p)
+        """Like `p` (see the class): `on` on a touched row, `off` on the others, in `p`'s dtype. A narrow shape's
+        factor in float32 or float64 is made from the mask: mask * on, or (1 - mask) + mask * on where `off` is 1:
+        exactly `on` and `off` (x * 1, x * 0 + 1 and 0 + x are exact; a Python scalar operand is rounded to the
+        dtype as `torch.tensor(on, dtype)` rounds it), but for a zero `off`, which gets the sign of `on` (the
+        step's zero on an untouched row is made -0.0 whatever its sign, `negative_zero_untouched`; the moments'
+        factors are positive); any other narrow factor is the per-row value made out by a broadcast copy."""
+        row = lambda: self._per_row(on, off, p.dtype)  # noqa: E731
+        if not self._narrow(p):
+            return self._row_view(row(), p)
+        key = ("factor", repr(on), repr(off), tuple(p.shape), p.dtype)
+        if p.dtype not in (torch.float32, torch.float64) or off not in (0, 1):
+            return self._kept(key, lambda: self._made_out(row(), p))
+        if off == 0:
+            return self._kept(key, lambda: torch.mul(self._inside(p), on))
+        return self._kept(key, lambda: torch.add(self._outside(p), self._inside(p), alpha=on))
 
     def negative_zero_untouched(self, step: Tensor) -> None:
         """`step`'s untouched rows, each a zero of either sign, made -0.0: in float32 by setting the sign bit (an OR
         with a per-row word, a fifth of the cost of `masked_fill_`'s broadcast mask over 45 columns); the bits of a
         touched row are left as they are."""
         if step.dtype != torch.float32:
-            step.masked_fill_(self._shaped(("untouched",), ~self.touched, step), -0.0)
+            untouched = ~self.touched
+            step.masked_fill_(self._made_out(untouched, step) if self._narrow(step) else
+                              self._row_view(untouched, step), -0.0)
             return
-        step.view(torch.int32).bitwise_or_(self._shaped(*self._per_row(0, -2 ** 31, torch.int32), step))
+        if not self._narrow(step):
+            word = self._row_view(self._per_row(0, -2 ** 31, torch.int32), step)
+        else:  # (1 - mask) * -2^31, exact in int32
+            word = self._kept(("sign", tuple(step.shape)), lambda: self._outside(step).to(torch.int32).mul_(-2 ** 31))
+        step.view(torch.int32).bitwise_or_(word)
 
 
 def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Optional[Tensor] = None) -> None:
@@ -319,15 +353,11 @@ def _adam_rows(p, g, m, v, lr, beta1, beta2, eps, bias1, bias2_sqrt, denom: Opti
 
 def _denominator(v: Tensor, denom: Optional[Tensor], bias2_sqrt: float, eps: float) -> Tensor:
     """Adam's denominator sqrt(v) / bias2_sqrt + eps, as torch.optim.Adam computes it (sqrt, div_, add_), into
-    `denom` (a new tensor if None). On the CPU the division and the addition run as one pass, `addcdiv` with the
-    two scalars as 0-dim tensors (eps + (1 * s) / b: the same two roundings in float32; the update is bound by
-    memory there, and a pass over the denominator is one of the update's nine); on CUDA as torch writes it."""
+    `denom` (a new tensor if None). Not as one `addcdiv` with the two scalars as 0-dim tensors: the same bits in
+    float32, but torch's CPU loops do not vectorize an operation with two broadcast operands (over [100k, 45] on
+    one thread: 3.7 ms against 1.0 ms for `div_` and `add_` together)."""
     if denom is None:
         denom = v.sqrt()
     else:
         torch.sqrt(v, out=denom)
-    if denom.device.type != "cpu" or denom.dtype not in (torch.float32, torch.float64):  # (a 0-dim half would
-        # round the divisor to half, where `div_` computes with the Python scalar)
-        return denom.div_(bias2_sqrt).add_(eps)
-    return torch.addcdiv(torch.tensor(eps, dtype=denom.dtype), denom, torch.tensor(bias2_sqrt, dtype=denom.dtype),
-                         out=denom)
+    return denom.div_(bias2_sqrt).add_(eps)
