@@ -302,8 +302,8 @@ class TouchedRows:
 
     def _inside(self, like: Tensor) -> Tensor:
         """Shaped like `like`, contiguous, in its dtype: 1 on a touched row, 0 on the others."""
-        return self._kept(("inside", tuple(like.shape), like.dtype), lambda: self._made_out(
-            self.touched.to(like.dtype), like))
+        return self._kept(("inside", tuple(like.shape), like.dtype), lambda: self._row_view(
+            self.touched, like).expand(like.shape).to(like.dtype, memory_format=torch.contiguous_format))
 
     def _outside(self, like: Tensor) -> Tensor:
         """`_inside`'s complement: 1 on a row not touched."""
