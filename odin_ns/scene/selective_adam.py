@@ -267,8 +267,8 @@ class TouchedRows:
     shared by every parameter that needs the same ones (the moments' factors are the same for parameters with the
     same betas; the step's factor is each parameter's own).
 
-    A factor is a view [N, 1, ...] broadcast over a row, except for rows of a few elements (means, scales, quats,
-    colours, opacities), where it is made out to the parameter's shape: torch's CPU loops broadcast a per-row
+    A factor is a view [N, 1, ...] broadcast over a row, except for rows of 2-7 elements (means, scales, quats,
+    colours), where it is made out to the parameter's shape: torch's CPU loops broadcast a per-row
     operand over an inner dimension of 3 or 4 at about a tenth of their speed (lerp over [100k, 3], one thread:
     0.38 ms broadcast, 0.04 ms with a full operand), and over 45 columns at nearly full speed. Such a factor is
     made from a full-shape mask (1 on a touched row), one per shape and step, multiplied by the factor's values
@@ -294,7 +294,8 @@ class TouchedRows:
         return row.view((like.shape[0],) + (1,) * (like.dim() - 1))
 
     def _narrow(self, like: Tensor) -> bool:
-        return like.shape[1:].numel() < self.NARROW
+        """Rows of 2 to NARROW - 1 elements (a row of one element takes the [N, 1] view as it is)."""
+        return 1 < like.shape[1:].numel() < self.NARROW
 
     def _made_out(self, row: Tensor, like: Tensor) -> Tensor:
         """[N] made out to `like`'s shape, contiguous: a broadcast copy (kept by the caller)."""
