@@ -188,6 +188,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     # nerfstudio's deprecated torch.cuda.amp calls warn on import, twice per rank: noise in front of every message
     env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), QUIET_WARNINGS]))
+    # splatfacto wraps a function in torch.compile as it is imported, which imports torch's inductor: about 1 s of
+    # every rank's start-up on a 2-core machine, for a function odin does not call (`render.viewmat`); odin compiles
+    # nothing (TORCHDYNAMO_DISABLE=0 in the environment keeps torch.compile on)
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
     stop_file = Path(tempfile.gettempdir()) / f"odin-stop-{os.getpid()}"
     stop_file.unlink(missing_ok=True)
     env[STOP_FILE_ENV] = str(stop_file)
