@@ -369,7 +369,8 @@ def test_step_touched_equals_step_rows_bit_for_bit():
     float32 and float64 (a narrow row's factors made from its mask, the other dtype's zeros made -0.0 by a fill)."""
     g = torch.Generator().manual_seed(21)
     for shape, width, dtype in (((3,), None, torch.float32), ((15, 3), 8, torch.float32), ((1,), None, torch.float32),
-                                ((4,), None, torch.float64), ((15, 3), None, torch.float64)):
+                                ((4,), None, torch.float32), ((4,), None, torch.float64),
+                                ((15, 3), None, torch.float64)):
         n = 301
         init = torch.randn((n,) + shape, generator=g, dtype=dtype)
         init[::5] = -0.0  # a parameter's sign of zero stays where its row is not touched

@@ -8,7 +8,7 @@ densification statistics), one per view, in the reference order (rank, then view
    sequence of additions on every rank count; rows a view did not touch go to a spare row that is dropped);
 3. applies selective Adam to those rows only, parameter by parameter: gathered, updated and written back
    (`SelectiveAdam.step_rows`: no gradient or mask the size of the shard), or, on the CPU where the step touched
-   more than half of the owned rows, in place over every owned row with factors that make Adam a no-op on the rows
+   more than 55% of the owned rows, in place over every owned row with factors that make Adam a no-op on the rows
    no view touched (`SelectiveAdam.step_touched`: the same bits, without the gathers and scatters; the sum is then
    indexed by owned row, and a row no view touched has a zero gradient: its contributions are zero); of the SH
    coefficients, only those of the degree the step trains (`TrainedCoefficients`); for throughput-first's
@@ -54,7 +54,7 @@ class OwnerUpdate:
         # on the CPU, the share of owned rows a step must touch for the in-place masked update (the same bits as
         # the gathered one; the whole update on one thread, 100k owned rows with 2 views' contributions: masked
         # 32-33 ms whatever the share, gathered 30.4 / 33.1 / 35.9 / 41.6 ms at 48 / 55 / 61 / 72% touched)
-        self.masked_share = 0.5
+        self.masked_share = 0.55
 
     def run(self, step: int, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
             optimizers, track: bool, evidence: bool) -> UpdateResult:
@@ -128,10 +128,11 @@ class OwnerUpdate:
 
 
 def row_sums(x: torch.Tensor) -> torch.Tensor:
-    """[N, k] -> [N]: `x.sum(dim=1)`, bit for bit. On the CPU a row of at most 4 columns is summed as the columns
+    """[N, k] -> [N]: `x.sum(dim=1)`, bit for bit for the evidence's squares (float32 or float64, no -0.0: a row of
+    -0.0 sums to +0.0 in torch's sum and to -0.0 here). On the CPU a row of 2-4 columns is summed as the columns
     added in order, which is how torch's CPU sum adds so few (tested, `tests/test_owner_update.py`), at a fifth of
     its cost (over [100k, 3], one thread: 0.09 against 0.42 ms: its loop over a row of 3 is the slow part)."""
-    if x.device.type != "cpu" or not 1 < x.shape[1] <= 4:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not 1 < x.shape[1] <= 4:
         return x.sum(dim=1)
     out = torch.add(x[:, 0], x[:, 1])
     for j in range(2, x.shape[1]):

@@ -197,7 +197,8 @@ class SelectiveAdam(torch.optim.Optimizer):
         row's m and parameter NaN here (lerp with weight 0 is m + 0 * (g - m)), where `step_rows` leaves them; no
         other state differs. On a touched row the factors are the scalars Adam uses, rounded to
         the parameter's dtype as a scalar operand is, and the step is written m * s / denom, the order in which
-        `addcdiv_` evaluates value * m / denom: the same bits (tested against `step_rows`). Where most rows are
+        `addcdiv_` evaluates value * m / denom: the same bits in float32 and float64 (tested against `step_rows`;
+        in half precision they differ, as they did before the narrow rows' masks). Where most rows are
         touched this saves the gathers and scatters of p, m and v. Returns the parameter's values before (a copy, if
         `keep_before`, valid until the next step) and after (the parameter itself). `touched` may come as the step's
         `TouchedRows`, whose factors the parameters of one step share."""
