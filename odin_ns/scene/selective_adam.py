@@ -318,24 +318,25 @@ class TouchedRows:
         dtype as `torch.tensor(on, dtype)` rounds it), but for a zero `off`, which gets the sign of `on` (the
         step's zero on an untouched row is made -0.0 whatever its sign, `negative_zero_untouched`; the moments'
         factors are positive); any other narrow factor is the per-row value made out by a broadcast copy."""
-        row = lambda: self._per_row(on, off, p.dtype)  # noqa: E731
         if not self._narrow(p):
-            return self._row_view(row(), p)
-        key = ("factor", repr(on), repr(off), tuple(p.shape), p.dtype)
-        if p.dtype not in (torch.float32, torch.float64) or off not in (0, 1):
-            return self._kept(key, lambda: self._made_out(row(), p))
-        if off == 0:
-            return self._kept(key, lambda: torch.mul(self._inside(p), on))
-        return self._kept(key, lambda: torch.add(self._outside(p), self._inside(p), alpha=on))
+            return self._row_view(self._per_row(on, off, p.dtype), p)
+
+        def make() -> Tensor:
+            if p.dtype not in (torch.float32, torch.float64) or off not in (0, 1):
+                return self._made_out(self._per_row(on, off, p.dtype), p)
+            if off == 0:
+                return torch.mul(self._inside(p), on)
+            return torch.add(self._outside(p), self._inside(p), alpha=on)
+        return self._kept(("factor", repr(on), repr(off), tuple(p.shape), p.dtype), make)
 
     def negative_zero_untouched(self, step: Tensor) -> None:
         """`step`'s untouched rows, each a zero of either sign, made -0.0: in float32 by setting the sign bit (an OR
         with a per-row word, a fifth of the cost of `masked_fill_`'s broadcast mask over 45 columns); the bits of a
         touched row are left as they are."""
         if step.dtype != torch.float32:
-            untouched = ~self.touched
-            step.masked_fill_(self._made_out(untouched, step) if self._narrow(step) else
-                              self._row_view(untouched, step), -0.0)
+            untouched = self._kept(("untouched",), lambda: ~self.touched)
+            step.masked_fill_(self._kept(("untouched", tuple(step.shape)), lambda: self._made_out(untouched, step))
+                              if self._narrow(step) else self._row_view(untouched, step), -0.0)
             return
         if not self._narrow(step):
             word = self._row_view(self._per_row(0, -2 ** 31, torch.int32), step)
