@@ -74,3 +74,22 @@ def test_rows_inside_and_a_subset_of_rows():
     means[150, 2] = -1e9  # outside, but not among the rows tested
     assert table.blocks_outside(1, rows, means, log_scales) == [3, 39]
     assert table.blocks_outside(1, torch.zeros(0, dtype=torch.int64), means, log_scales) == []
+
+
+def test_check_brings_the_evidence_back_with_the_verdict():
+    """`check`'s one host read returns values given beside the test (throughput-first's evidence), bit for bit,
+    whatever the verdict, and the same blocks as `blocks_outside`."""
+    g = torch.Generator().manual_seed(5)
+    lo = torch.randn(40, 3, generator=g)
+    row_block = torch.arange(40).repeat_interleave(5)
+    means, log_scales = lo[row_block] + 0.5, torch.full((200, 3), -4.0)
+    table = RowBounds(lo, lo + 1.0, torch.full((40,), 1.0), [0.0, 0.01], [0.0, 0.0], row_block)
+    rows = torch.tensor([3, 17, 101, 199])
+    also = torch.tensor([0.0, 1e-300, 2.5, math.inf, 1 / 3], dtype=torch.float64)
+    for outside in ([], [3]):
+        if outside:
+            means[17, 0] = 1e9
+        blocks, values = table.check(1, rows, means, log_scales, also=also)
+        assert blocks == outside == table.blocks_outside(1, rows, means, log_scales)
+        assert torch.equal(torch.tensor(values, dtype=torch.float64), also)
+    assert table.check(1, rows, means, log_scales) == (outside, None)

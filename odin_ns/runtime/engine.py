@@ -339,3 +339,5 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
             self.fault.apply(self, step, params)
             runtime.check_envelope(step + 1, self._visible)
             self.splats.project_update(step)
+        else:
+            runtime.settle_evidence()  # the phase's last update: its evidence read on its own

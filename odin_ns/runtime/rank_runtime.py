@@ -76,6 +76,8 @@ class RankRuntime(ReadAdmission):
                        zip(self.own_ids.tolist(), self.home_start[self.own_ids].tolist(),
                            self.count[self.own_ids].tolist())}
         self.row_block_d = self.row_block.to(self.device)
+        self.own_blocks = self.own_ids.tolist()  # owned block ids in their local order
+        self.row_local = self.own_local[self.row_block].to(self.device)  # an owned row's local block
         self.bounds = RowBounds(*(t.to(self.device) for t in envelope), plan.motion, plan.growth, self.row_block_d)
         self.extras_self: Dict[int, Dict[int, List[int]]] = {}  # step -> own view -> own blocks added after a miss
         self.extras_out: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # step -> reader -> (view, block)
@@ -87,7 +89,8 @@ class RankRuntime(ReadAdmission):
         if plan.staleness and self.n_owned:
             packed = torch.cat([self.model.gauss_params[n].detach().flatten(1) for n in _NAMES], dim=1)
             norm_sq.index_add_(0, self.own_local[self.row_block], packed.double().pow(2).sum(dim=1).cpu())
-        self._begin_admission(plan, norm_sq)
+        self.norm_sq = norm_sq.tolist()  # per owned block (local order), its squared norm at the phase start
+        self._begin_admission(plan, self.norm_sq)
 
     def finish(self) -> None:
         """End of a phase: every publication still owed to this rank taken (reads admitted behind skipped some),
@@ -149,8 +152,8 @@ class RankRuntime(ReadAdmission):
     def _accept(self, owner: int, update: int, raw: tuple) -> None:
         """A publication taken: its evidence (throughput-first) and its splats."""
         if self.plan.staleness:
-            blocks = torch.tensor(self.plan.pub_blocks(update, owner, self.env.rank), dtype=torch.int64)
-            self.rel_seen[blocks] = raw[1]
+            for b, value in zip(self.plan.pub_blocks(update, owner, self.env.rank), raw[1]):
+                self.rel_seen[b] = value
             self.note_skipped(owner, update, self.rel_seen)
         self.splats.accept(owner, update, raw)
 
@@ -186,21 +189,28 @@ class RankRuntime(ReadAdmission):
         this version get the same (`extras_behind`)."""
         plan = self.plan
         if not plan.contains(step) or step == plan.start:
+            self.settle_evidence()
             return
         self._visible_in = visible_in
+        rows = self.changed_rows()
+        new: set = set()
+        if rows.numel() and self.n_owned:  # the bounds check's host read brings the update's evidence back too
+            params = self.model.gauss_params
+            outside, sums = self.bounds.check(plan.index(step), rows, params["means"].detach(),
+                                              params["scales"].detach(), also=self.pending_evidence())
+            new = set(outside) - self.outside
+            self.settle_evidence(sums)
+        else:
+            self.settle_evidence()
         current = {}
         if plan.staleness and self.channels is not None:  # the reads of `step` (this rank's own too): current or
-            # behind (a throughput-first step whose views read none of its own blocks has no own read to add to)
+            # behind (a throughput-first step whose views read none of its own blocks has no own read to add to);
+            # none takes update step-1 behind, so the evidence of blocks found outside below does not decide them
             self.decide_reads(step - 1, step)
             me = self.env.rank
             current = {q: self.read_version.get((step, q)) == step - 1 for q in plan.readers(step, me) + [me]}
-        rows = self.changed_rows()
-        if rows.numel() and self.n_owned:
-            params = self.model.gauss_params
-            new = set(self.bounds.blocks_outside(plan.index(step), rows, params["means"].detach(),
-                                                 params["scales"].detach())) - self.outside
-            self.plan_violations += len(new)
-            self.outside |= new
+        self.plan_violations += len(new)
+        self.outside |= new
         if not self.outside:
             return
         for b in self.outside:  # its update's size is unknown while it is outside: no read of it is admitted behind

@@ -14,7 +14,7 @@ not above that bound. A NaN is outside either way. Twelve operations a step, one
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,10 +39,21 @@ class RowBounds:
     def blocks_outside(self, i: int, rows: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> List[int]:
         """The blocks (ascending) of the rows `rows` whose mean or largest scale at step `i` of the phase lies
         outside the bounds; one host read."""
+        return self.check(i, rows, means, log_scales)[0]
+
+    def check(self, i: int, rows: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor,
+              also: Optional[torch.Tensor] = None) -> Tuple[List[int], Optional[List[float]]]:
+        """`blocks_outside`, whose one host read also brings back `also` (float64 values on the same device:
+        throughput-first's evidence), with its values (None without)."""
         blocks = self.row_block.index_select(0, rows)
         m = means.index_select(0, rows)
         scales = log_scales.index_select(0, rows).exp_()
         ok = torch.cat([m, m, scales], dim=1).mul_(self.sign) >= self.table[i].index_select(0, blocks)
-        if bool(ok.all()):
-            return []
-        return sorted(set(blocks[~ok.all(dim=1)].tolist()))
+        if also is None:
+            inside, values = bool(ok.all()), None
+        else:
+            read = torch.cat([ok.all().view(1).to(also.dtype), also]).tolist()
+            inside, values = read[0] == 1.0, read[1:]
+        if inside:
+            return [], values
+        return sorted(set(blocks[~ok.all(dim=1)].tolist())), values

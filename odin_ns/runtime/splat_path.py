@@ -39,6 +39,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
+from odin_ns.runtime.admission import evidence_to_wire
 from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.inbox import Inbox
 from odin_ns.runtime.splat_reader import SplatReader, splats_for
@@ -244,8 +245,8 @@ class SplatPath(SplatReader):
                 parts += [wire[s - a:e - a] for s, e in spans]  # each view's rows: contiguous, no copy
             head = [torch.tensor(header, dtype=torch.int64).to(self.device), torch.cat(per_block).flatten()]
             if self.plan.staleness:  # the evidence: each block's last update size, as the reader's decisions use it
-                blocks = torch.tensor(self.plan.pub_blocks(update, me, q), dtype=torch.int64)
-                head.append(rt.rel_hist[update][blocks].contiguous().view(torch.int64).to(self.device))
+                rel = rt.rel_hist[update]
+                head.append(evidence_to_wire([rel[b] for b in self.plan.pub_blocks(update, me, q)]).to(self.device))
             heads.append((q, torch.cat(head)))
             views.append([(q, part) for part in parts])
             rt.channels.note("P", update, q, "send")

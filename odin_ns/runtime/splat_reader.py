@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from odin_ns.render.splats import SPLAT_WIDTH
+from odin_ns.runtime.admission import evidence_from_wire
 from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.rank_runtime import OdinRuntimeError
 from odin_ns.runtime.view_projection import screen_grad_norm
@@ -79,7 +80,7 @@ class SplatReader:
                 if any(c >= 0 and c != sum(b) for c, b in zip(per_view, per_block[-1])):
                     raise OdinRuntimeError(f"rank {o}'s publication of update {u}: a view's splats per block do not "
                                            f"add up to its splat count")
-            evidence = torch.tensor(values[at:at + e], dtype=torch.int64).view(torch.float64)
+            evidence = evidence_from_wire(values[at:at + e])
             at += e
             parts = [torch.empty((c, WIRE), dtype=torch.float32, device=self.device)
                      for per_step in counts for c in per_step if c >= 0]  # a step's counts are all -1 or none

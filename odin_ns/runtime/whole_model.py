@@ -57,7 +57,7 @@ class WholeModel:
         self._new_runner()
         evidence = resume.get("evidence") if counts is not None else None
         if evidence is not None and self.staleness:
-            self.runtime.rel_now = torch.as_tensor(evidence, dtype=torch.float64).clone()
+            self.runtime.rel_now = torch.as_tensor(evidence, dtype=torch.float64).tolist()
             self.runtime._structural = False
 
     def resume_state(self) -> Dict | None:

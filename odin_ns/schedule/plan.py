@@ -152,9 +152,13 @@ class PhasePlan:
         return hit / total if total else 0.0
 
     def schedule_admits(self, step: int, reader: int, owner: int, k: int) -> bool:
-        """May `reader`'s read of `owner`'s blocks at `step` be k versions behind, as far as the plan knows?"""
-        return 1 <= k <= min(self.staleness, step - self.start) and \
-            self.overlap(step, reader, owner, k) <= self.admit_overlap
+        """May `reader`'s read of `owner`'s blocks at `step` be k versions behind, as far as the plan knows?
+        (Kept: the runtime asks again at every read and replay, and the overlap sums over the blocks read.)"""
+        key = ("admits", step, reader, owner, k)
+        if key not in self._memo:
+            self._memo[key] = 1 <= k <= min(self.staleness, step - self.start) and \
+                self.overlap(step, reader, owner, k) <= self.admit_overlap
+        return self._memo[key]
 
     def next_publication(self, owner: int, reader: int, after: int, until: int) -> int | None:
         """The first update in (after, until] whose publication `owner` sends to `reader` (None: none)."""
