@@ -2,8 +2,9 @@
 
 A view's render (forward, loss, backward) costs  a + b * G + c * P  seconds, G the Gaussians of the blocks it
 reads and P its pixels; an owner's update of a step costs  u0 + u1 * T,  T the rows of its blocks that the step's
-views read (selective Adam on touched rows); every step adds the runtime's own launches (about 190 tensor
-operations and 5 syncs per step, `odin-bench scale`: ~1 ms); a phase boundary ~2 ms (a few small collectives).
+views read (selective Adam on touched rows); every step adds the runtime's own launches (about 115-165 tensor
+operations and 2 host syncs per step by policy, `odin-bench scale`: ~1 ms); a phase boundary ~2 ms (a few small
+collectives).
 
 Two calibrations:
 - published (default): gsplat's own 30k-step training times on Mip-NeRF 360 (gsplat docs, tests/eval: TITAN
