@@ -102,6 +102,22 @@ def test_a_resumed_throughput_run_ends_where_the_uninterrupted_one_ends(runs):
     assert stats(again)["summary"]["stale_admitted"] > 0
 
 
+def test_checkpoints_at_refine_steps_and_a_run_resumed_from_one(runs):
+    """Checkpoints at every refine step (splatfacto's defaults put every one there while it densifies): one after a
+    refine that added blocks keeps no evidence (unknown after a structural change, as the run itself holds it; it
+    once indexed the old blocks' evidence and failed), and a run resumed from one keeps its blocks, which a run
+    lets grow to twice --pipeline.block-size before it cuts them (they were cut afresh, and the runs parted):
+    it ends where the uninterrupted run ends, bit for bit."""
+    every_refine = ["--steps-per-save", "5", "--save-only-latest-checkpoint", "False"]  # refine every 5 steps
+    whole = city(runs, 2, "odin-throughput", *every_refine)
+    checkpoints = {s: load(whole, s) for s in (20, 25)}
+    blocks = {s: len(c["odin"]["resume"]["blocks"]) for s, c in checkpoints.items()}
+    assert blocks[25] > blocks[20], blocks  # the refine at step 25 added blocks
+    assert max(checkpoints[20]["odin"]["resume"]["blocks"]) > 256  # blocks the block size does not bound
+    assert bool(torch.isinf(checkpoints[25]["odin"]["resume"]["evidence"]).all())
+    assert_same_training(load(resumed(runs, 2, "odin-throughput", whole, 20, *every_refine)), load(whole))
+
+
 def test_two_versions_behind_stay_within_their_bound(runs):
     s2 = stats(city(runs, 2, "odin-throughput", "--pipeline.max-staleness", "2"))
     check_bounds(s2, 2)

@@ -26,8 +26,28 @@ import torch
 
 
 def largest(rel: Sequence[float], blocks: Sequence[int]) -> float:
-    """The largest evidence of `blocks` (0.0 for none)."""
-    return max((rel[b] for b in blocks), default=0.0)
+    """The largest evidence of `blocks` (0.0 for none); NaN if any is NaN, as a tensor's `max` gives it (Python's
+    `max` would pass over it), so that such a read is refused (k * NaN <= threshold is false)."""
+    out = 0.0
+    for b in blocks:
+        value = rel[b]
+        if value != value:
+            return value
+        if value > out:
+            out = value
+    return out
+
+
+def block_sums(values: torch.Tensor, keys: torch.Tensor, count: int, segmented: Optional[bool] = None
+               ) -> torch.Tensor:
+    """[count] float64: the sum of `values` per key (`keys` non-decreasing, each in [0, count)), every key's values
+    added in their order. On the CPU an `index_add_`; elsewhere (`segmented`) a sum per segment (a key's values are
+    contiguous), where `index_add_` adds with atomics in an order that varies from run to run, and
+    throughput-first must decide alike on every run."""
+    if not (values.device.type != "cpu" if segmented is None else segmented):
+        return torch.zeros(count, dtype=torch.float64, device=values.device).index_add_(0, keys, values)
+    offsets = torch.searchsorted(keys, torch.arange(count + 1, device=keys.device))
+    return torch.segment_reduce(values, "sum", offsets=offsets, unsafe=True)
 
 
 def evidence_from_wire(words: Sequence[int]) -> List[float]:
@@ -57,6 +77,13 @@ class ReadAdmission:
         """Blocks or values changed outside the optimizer (refine, opacity reset): the evidence is unknown."""
         self._structural = True
 
+    def evidence_of(self, blocks: Sequence[int]) -> Dict[int, float]:
+        """`blocks`' evidence as a checkpoint keeps it: inf (unknown) after a structural change (a checkpoint at a
+        refine step comes after it, and the blocks may be others by then), the last update's size otherwise."""
+        if self._structural:
+            return {b: math.inf for b in blocks}
+        return {b: self.rel_now[b] for b in blocks}
+
     def _begin_admission(self, plan, own_norm_sq: List[float]) -> None:
         """A phase's state: the evidence carried over (unless structure changed), the readers' positions."""
         me, R, B = self.env.rank, plan.num_ranks, plan.num_blocks
@@ -82,9 +109,8 @@ class ReadAdmission:
         until `settle_evidence` reads it (an update that touched no row changed nothing)."""
         self.settle_evidence()  # the update before's, if nothing has read it yet
         self.held = step
-        if delta_sq is not None and self.n_owned and rows.numel():
-            sums = torch.zeros(len(self.own_blocks), dtype=torch.float64, device=delta_sq.device).index_add_(
-                0, self.row_local.index_select(0, rows), delta_sq)
+        if delta_sq is not None and self.n_owned and rows.numel():  # `rows` ascending: their blocks non-decreasing
+            sums = block_sums(delta_sq, self.row_local.index_select(0, rows), len(self.own_blocks))
             self._pending = (step, sums)
         else:
             self._pending = (step, None)

@@ -35,6 +35,11 @@ class RebuildPlan:
         return not (np.all(self.pieces == 1) and len(self.parent) == len(self.pieces))
 
 
+def largest_block(block_size: int) -> int:
+    """The most Gaussians a block holds between two rebuilds: one holding more is cut (`plan_rebuild`)."""
+    return 2 * block_size
+
+
 def piece_sizes(n: int, k: int) -> List[int]:
     """n rows cut into k near-equal consecutive pieces (larger ones first)."""
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
@@ -42,7 +47,8 @@ def piece_sizes(n: int, k: int) -> List[int]:
 
 def plan_rebuild(counts: np.ndarray, block_size: int) -> RebuildPlan:
     counts = np.asarray(counts, dtype=np.int64)
-    pieces = np.where(counts == 0, 0, np.where(counts > 2 * block_size, -(-counts // block_size), 1))
+    cut = counts > largest_block(block_size)
+    pieces = np.where(counts == 0, 0, np.where(cut, -(-counts // block_size), 1))
     parent = np.repeat(np.arange(len(counts)), pieces)
     piece = np.concatenate([np.arange(k) for k in pieces]) if pieces.sum() else np.zeros(0, dtype=np.int64)
     sizes = np.concatenate([piece_sizes(int(n), int(k)) for n, k in zip(counts, pieces) if k] or [[]])

@@ -15,6 +15,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from odin_ns.runtime.rebuild import largest_block
 from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, pack_params, unpack_params
 from odin_ns.scene.block_refine import STATE_KEYS
 
@@ -38,8 +39,9 @@ class WholeModel:
                 full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n]))
         resume = resume or {}
         counts = resume.get("blocks")
-        if counts is not None and (sum(counts) != n_rows or max(counts, default=0) > self.block_size):
-            counts = None  # another model, or a smaller --pipeline.block-size: cut afresh
+        if counts is not None and (sum(counts) != n_rows or max(counts, default=0) > largest_block(self.block_size)):
+            counts = None  # another model, or a smaller --pipeline.block-size: cut afresh (a block of the run may
+            # hold up to twice the block size: a checkpoint at a refine step has such blocks, kept as they are)
         strategy = resume.get("strategy", {}) if counts is not None else {}
         for k, v in strategy.items():
             full[f"state:{k}"] = v.to(full["means"].device)
@@ -72,7 +74,7 @@ class WholeModel:
         full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
         evidence = None
         if self.staleness:
-            mine = {int(b): float(self.runtime.rel_now[b]) for b in self.table.owned(self.env.rank)}
+            mine = self.runtime.evidence_of(self.table.owned(self.env.rank).tolist())
             every = [None] * self.env.world_size
             dist.all_gather_object(every, mine)
             evidence = torch.full((self.table.num_blocks,), math.inf, dtype=torch.float64)
