@@ -77,7 +77,8 @@ class RankRuntime(ReadAdmission):
                            self.count[self.own_ids].tolist())}
         self.row_block_d = self.row_block.to(self.device)
         self.own_blocks = self.own_ids.tolist()  # owned block ids in their local order
-        self.row_local = self.own_local[self.row_block].to(self.device)  # an owned row's local block
+        row_local = self.own_local[self.row_block]  # an owned row's local block
+        self.row_local = row_local.to(self.device)
         self.bounds = RowBounds(*(t.to(self.device) for t in envelope), plan.motion, plan.growth, self.row_block_d)
         self.extras_self: Dict[int, Dict[int, List[int]]] = {}  # step -> own view -> own blocks added after a miss
         self.extras_out: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # step -> reader -> (view, block)
@@ -88,9 +89,8 @@ class RankRuntime(ReadAdmission):
         norm_sq = torch.zeros(len(self.own_ids), dtype=torch.float64)
         if plan.staleness and self.n_owned:
             packed = torch.cat([self.model.gauss_params[n].detach().flatten(1) for n in _NAMES], dim=1)
-            norm_sq.index_add_(0, self.own_local[self.row_block], packed.double().pow(2).sum(dim=1).cpu())
-        self.norm_sq = norm_sq.tolist()  # per owned block (local order), its squared norm at the phase start
-        self._begin_admission(plan, self.norm_sq)
+            norm_sq.index_add_(0, row_local, packed.double().pow(2).sum(dim=1).cpu())
+        self._begin_admission(plan, norm_sq.tolist())
 
     def finish(self) -> None:
         """End of a phase: every publication still owed to this rank taken (reads admitted behind skipped some),
@@ -193,15 +193,13 @@ class RankRuntime(ReadAdmission):
             return
         self._visible_in = visible_in
         rows = self.changed_rows()
-        new: set = set()
+        new, sums = set(), None
         if rows.numel() and self.n_owned:  # the bounds check's host read brings the update's evidence back too
             params = self.model.gauss_params
             outside, sums = self.bounds.check(plan.index(step), rows, params["means"].detach(),
                                               params["scales"].detach(), also=self.pending_evidence())
             new = set(outside) - self.outside
-            self.settle_evidence(sums)
-        else:
-            self.settle_evidence()
+        self.settle_evidence(sums)
         current = {}
         if plan.staleness and self.channels is not None:  # the reads of `step` (this rank's own too): current or
             # behind (a throughput-first step whose views read none of its own blocks has no own read to add to);
