@@ -46,8 +46,8 @@ def program_actions(record):
 @pytest.mark.parametrize("method,micro_batch", [("odin-barrier", 1), ("odin", 1), ("odin-throughput", 1),
                                                 ("odin", 2), ("odin-throughput", 2)])
 def test_the_messages_of_a_run_are_its_action_lists(runs, method, micro_batch):
-    # the runs other tests check (two views a rank: a view's gradients leave before the next view renders, or on
-    # throughput-first's lane after both)
+    # the runs other tests check (two views a rank: a view's gradients leave before the next view renders, on
+    # throughput-first's lane too)
     extra = [] if method == "odin" or micro_batch > 1 else KEEP
     records = recorded(city(runs, 2, method, *extra, micro_batch=micro_batch))
     phases = [program_actions(r) for r in records]

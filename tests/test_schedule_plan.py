@@ -263,6 +263,21 @@ def test_an_inline_lane_hides_the_same_imbalance_on_one_processor():
     assert exact.wall_s == pytest.approx(11.0)  # every step waits for the slow view: inline changes nothing there
 
 
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_views_gradients_leave_the_lane_once_that_view_is_rendered(inline):
+    """Throughput-first's lane sends a view's gradients when that view is rendered, while the step's next view
+    renders (as the exact policies do), not after the step's last render: on a link that takes as long to carry a
+    view's gradients as to render a view, the owner has both at 3, not 4."""
+    from odin_ns.schedule.actions import parse_action
+    from odin_ns.schedule.simulate import Costs, simulate_phase
+
+    lists = {0: [parse_action(t, 10) for t in ("R v0", "G~ s0 b2->r1", "R v1", "G~ s1 b2->r1")],
+             1: [parse_action("U~ b2", 10)]}
+    costs = Costs(render=lambda v: 1.0, update=0.0, latency=0.0, phase=0.0, bandwidth=1.0,
+                  message_bytes=lambda r, a: 1.0, inline_lane=inline)
+    assert simulate_phase(lists, 10, costs, [0.0, 0.0], [0.0, 0.0]) == [2.0, 3.0]
+
+
 def test_a_list_that_renders_a_steps_views_out_of_the_plans_order_is_refused():
     """A G names its view by its place among the step's renders (`G s1`), so a list must render them in the plan's
     order: swapping two renders keeps every action but sends each view's gradients as the other's."""

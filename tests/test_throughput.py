@@ -65,6 +65,16 @@ def test_throughput_is_deterministic_bounded_and_not_odin(runs):
     assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in pairs), "reads behind changed nothing"
 
 
+def test_two_views_a_rank_on_a_thread_lane_equal_the_inline_lane(runs):
+    """Two views a rank a step: the lane sends a view's gradients once it is rendered, on a thread while the next
+    view renders, inline before it; the same reads, the same model, bit for bit (the inline run is the one
+    `tests/test_program.py` checks against its lists)."""
+    inline = load(city(runs, 2, "odin-throughput", micro_batch=2))
+    thread = load(city(runs, 2, "odin-throughput", "--pipeline.lane", "thread", micro_batch=2))
+    assert_sh_trained(inline)
+    assert_same_training(inline, thread)
+
+
 def test_reads_behind_move_splats_projected_when_their_version_was_current(runs):
     """An owner projects a read admitted behind when its version is current (it replays the reader's decision;
     the reader checks that the owner agreed), so reads behind move splats too, and no rank keeps another's rows

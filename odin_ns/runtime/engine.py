@@ -247,7 +247,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
     def render(self, step: int, views: Sequence[int]):
         """Render each view from every owner's splats of it (this rank projected its own) and back-propagate to
         them; a view's gradients leave before the next view renders (the program's `between`; throughput-first's
-        lane sends them after the step's renders). (loss, loss dict, metrics dict, per-view block ids)."""
+        lane once the view is rendered). (loss, loss dict, metrics dict, per-view block ids)."""
         me, model = self.env.rank, self.model
         record = self.log.current
         view_ids = []
@@ -267,7 +267,10 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
                 loss.backward()
                 record.loss += float(loss.detach()) / len(views)
                 self.splats.after_backward(step, j, routing, model.splat_means2d)
-            if self.lane is None and j + 1 < len(views):
+            if self.lane is not None:
+                with self.ops.counting(step):
+                    self.lane.rendered(self._ctx, j)
+            elif j + 1 < len(views):
                 with self.ops.counting(step):
                     self.program.run(self.program.between[step][j], self.handlers, self._ctx)
         record.blocks_read = len({b for ids in view_ids for b in ids})
@@ -311,8 +314,9 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
 
     def _send_gradients(self, group, ctx: StepContext) -> None:
         self.splats.send_gradients(ctx.step, [(a.slot, a.peer) for a in group])
-        if self.lane is not None and self.lane_mode == "inline":  # the owners' probe: this rank's are out
-            self._sent.note(ctx.step)
+        last = len(self.plan.rank_views(ctx.step, self.env.rank)) - 1
+        if self.lane is not None and self.lane_mode == "inline" and all(a.slot in (last, -1) for a in group):
+            self._sent.note(ctx.step)  # the owners' probe: this rank's gradients of the step are out
 
     def _update(self, group, ctx: StepContext) -> None:
         self._apply_update(ctx.step, ctx.optimizers)

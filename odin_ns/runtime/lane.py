@@ -7,9 +7,10 @@ waits on other ranks (the lane) are apart: the lane runs the list's W, G, U and 
 posts every message of the rank: the order on every pair of ranks is the list's), the main thread renders.
 
 The lane and the renders meet at two points per step: a render of step t starts when every W of step t is decided
-(`ready`); the lane's G of step t waits for that step's renders (`put`). A W the plan admits behind runs
-early, before the rank's update of step t-1; if the evidence refuses it, it runs again after that update and its
-publications (current). Written here: torch.distributed has no such lane.
+(`ready`); the lane's G of a view waits for that view's render (`rendered`: its gradients travel while the step's
+next view renders, as the exact policies send them), its U for the step's renders (`put`). A W the plan admits
+behind runs early, before the rank's update of step t-1; if the evidence refuses it, it runs again after that
+update and its publications (current). Written here: torch.distributed has no such lane.
 
 Where the lane runs (`--pipeline.lane`):
 - `thread` (the default on GPUs): on a thread of its own (Python's threading), beside the renders (what the
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from odin_ns.runtime.interpreter import ActionError, Program, StepContext, run_group
 from odin_ns.schedule.actions import Action
@@ -62,6 +63,7 @@ class Lane:
         self._cond = threading.Condition()
         self._ready = set()
         self._given: Dict[int, StepContext] = {}
+        self._views: Dict[int, Tuple[StepContext, int]] = {}  # step -> its context, how many views are rendered
         self.error: Optional[BaseException] = None
         self.done = False
         self._waits_left: Dict[int, int] = defaultdict(int)
@@ -95,6 +97,19 @@ class Lane:
         with self._cond:
             while step not in self._ready and self.error is None:
                 self._cond.wait(timeout=1.0)
+        self._raise()
+
+    def rendered(self, ctx: StepContext, slot: int) -> None:
+        """View `slot` of the step is rendered (its gradients wait for G). Inline, the lane sends them now if they
+        are its next actions (sends do not wait), before the step's next view renders."""
+        with self._cond:
+            self._views[ctx.step] = (ctx, slot + 1)
+            self._cond.notify_all()
+        if self._thread is None:
+            lane = self.program.lane
+            while self.error is None and self._next < len(lane) and lane[self._next].kind == "G" \
+                    and lane[self._next].step == ctx.step and lane[self._next].slot <= slot:
+                self._advance()
         self._raise()
 
     def put(self, ctx: StepContext) -> None:
@@ -137,14 +152,22 @@ class Lane:
 
     # ---- the lane --------------------------------------------------------------------------------------------
 
-    def _context(self, step: int, last: bool) -> StepContext:
-        """The step's context once its renders are done (`last`: the lane's last use of it)."""
-        if self._thread is None and step not in self._given:
-            raise ActionError(f"rank {self.program.rank}: the lane needs step {step}'s renders before they ran")
+    def _context(self, step: int, last: bool, slot: int = -1) -> StepContext:
+        """The step's context once its renders are done, or (`slot` >= 0) once that view is rendered (`last`: the
+        lane's last use of it)."""
+        def there() -> bool:
+            return step in self._given or (slot >= 0 and self._views.get(step, (None, 0))[1] > slot)
+
+        if self._thread is None and not there():
+            what = f"view {slot} of step {step}" if slot >= 0 else f"step {step}'s renders"
+            raise ActionError(f"rank {self.program.rank}: the lane needs {what} before it ran")
         with self._cond:
-            while step not in self._given:
+            while not there():
                 self._cond.wait(timeout=1.0)
-            return self._given.pop(step) if last else self._given[step]
+            if last:
+                self._views.pop(step, None)
+                return self._given.pop(step)
+            return self._given[step] if step in self._given else self._views[step][0]
 
     def _decided(self, step: int, count: int = 1) -> None:
         with self._cond:
@@ -158,11 +181,13 @@ class Lane:
             self._advance()
 
     def _advance(self) -> None:
-        """Run the next group of actions (consecutive actions of one kind and step); an error is kept in `error`."""
+        """Run the next group of actions (consecutive actions of one kind and step, and of one view for G: a view's
+        gradients go out once it is rendered); an error is kept in `error`."""
         lane = self.program.lane
         try:
             i = j = self._next
-            while j < len(lane) and lane[j].kind == lane[i].kind and lane[j].step == lane[i].step:
+            while j < len(lane) and lane[j].kind == lane[i].kind and lane[j].step == lane[i].step \
+                    and (lane[i].kind != "G" or lane[j].slot == lane[i].slot):
                 j += 1
             if j > i:
                 self._run_group(lane[i:j], later=lane[j:])
@@ -193,8 +218,10 @@ class Lane:
                     with self._cond:
                         self._deferred[step].append(a)
                         self._waits_left[step] -= 1
-        elif kind in ("G", "U"):  # after the step's renders; U is the lane's last use of the step's context
-            run_group(self.program, group, self.handlers[kind], self._context(step, last=kind == "U"))
+        elif kind == "G":  # after its view's render
+            run_group(self.program, group, self.handlers[kind], self._context(step, last=False, slot=group[0].slot))
+        elif kind == "U":  # after the step's renders: the lane's last use of the step's context
+            run_group(self.program, group, self.handlers[kind], self._context(step, last=True))
         elif kind == "P":
             run_group(self.program, group, self.handlers["P"], None)
         else:

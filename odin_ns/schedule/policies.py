@@ -11,7 +11,8 @@ Generators turn a `PhasePlan` into each rank's program (`schedule.actions.Action
   barrier (B): Grendel's synchronization, on the same per-block transport;
 - `quality` (odin): the same without B: a rank waits only for the owners whose blocks its views read;
 - `throughput` (odin-throughput): a rank's renders (the main lane) run beside a communication lane (`on_thread`)
-  that receives, sends and updates: after a step's gradients leave, the lane takes the publications the next
+  that receives, sends and updates: it sends a view's gradients once the view is rendered (while the step's next
+  view renders); after a step's gradients leave, the lane takes the publications the next
   step's reads the plan admits one version behind (`~1`: already sent), lets the next render start, and only then
   updates its own blocks and publishes; reads the plan does not admit wait after that update. Admission is decided
   again at run time from the published evidence (a refused read waits after the update, as a current one).
@@ -131,9 +132,8 @@ def throughput_actions(plan, rank: int) -> List[Action]:
     own = [plan.start - 1]
     out += _lane_waits(plan, rank, plan.start, versions, pos, own, set(), early=False)
     for step in range(plan.start, plan.stop):
-        views = plan.rank_views(step, rank)
-        out += [Action("R", step, view=v) for v in views]
-        for j in range(len(views)):  # on the lane, after the step's renders
+        for j, v in enumerate(plan.rank_views(step, rank)):  # a view's gradients on the lane once it is rendered
+            out.append(Action("R", step, view=v))
             out += _gradients(plan, rank, step, j, on_thread=True)
         decided: set = set()
         if step + 1 < plan.stop:

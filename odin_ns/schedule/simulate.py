@@ -80,9 +80,10 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
 
     A rank has a main lane (renders, and everything in lists without `on_thread` actions) and, for
     throughput-first lists, a communication lane (the `on_thread` actions, in list order): a render of step t
-    waits until the lane has run every `W` of step t; the lane's `G` of step t waits until every render of step t
-    is done. `W` waits for the publication of the version it reads (from itself: its own update of that step),
-    `U` for every reader's gradients of its step, `B` for every rank."""
+    waits until the lane has run every `W` of step t; the lane's `G` of a view waits until that view is rendered
+    (an inline lane sends it before the step's next view renders). `W` waits for the publication of the version
+    it reads (from itself: its own update of that step), `U` for every reader's gradients of its step, `B` for
+    every rank."""
     ranks = sorted(actions)
     lanes = {r: ([a for a in actions[r] if not a.on_thread], [a for a in actions[r] if a.on_thread]) for r in ranks}
     pos = {r: [0, 0] for r in ranks}
@@ -91,6 +92,7 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
     sent: Dict[Tuple, float] = {}  # ("P"|"G", src, dst, step, slot) -> time sent (a G per view: its slot)
     updated: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its update of that step was done
     rendered: Dict[Tuple[int, int], float] = {}  # (rank, step) -> when its last render of that step was done
+    view_done: Dict[Tuple[int, int, int], float] = {}  # (rank, step, slot) -> when that view's render was done
     expected_grads: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # (owner, step) -> (reader, slot)
     views_at: Dict[Tuple[int, int], Tuple[int, ...]] = {}
     renders_left: Dict[Tuple[int, int], int] = {}
@@ -182,6 +184,8 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
         if pos[r][0] >= len(main):
             return 1
         a, nxt = main[pos[r][0]], lane[pos[r][1]]
+        if nxt.kind == "G" and nxt.step == a.step and (r, nxt.step, nxt.slot) in view_done:
+            return 1  # a rendered view's gradients go out before the step's next view renders
         if pos[r][0] and main[pos[r][0] - 1].kind == "R" and main[pos[r][0] - 1].step == a.step:
             return 0  # the step's next view: its reads are decided
         if waits_left.get((r, a.step), 0) or (nxt.kind == "G" and nxt.step < a.step):
@@ -232,6 +236,7 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                 cost = costs.render(a.view) if per_view is None else per_view
                 clock[r][lane] = t + cost
                 busy[r] += cost
+                view_done[(r, a.step, len(views_at[(r, a.step)]) - renders_left[(r, a.step)])] = clock[r][lane]
                 renders_left[(r, a.step)] -= 1
                 if not renders_left[(r, a.step)]:
                     rendered[(r, a.step)] = clock[r][lane]
@@ -247,10 +252,12 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                     if not waits_left[(r, a.step)]:
                         clock[r][0] = max(clock[r][0], clock[r][lane])  # the render starts after it
             elif a.kind == "G":
-                if a.on_thread:
-                    if renders_left.get((r, a.step), 0):
+                if a.on_thread:  # after its view's render (a hand-written G without a slot: the step's renders)
+                    done = view_done.get((r, a.step, a.slot)) if a.slot >= 0 else \
+                        None if renders_left.get((r, a.step), 0) else rendered.get((r, a.step))
+                    if done is None:
                         break
-                    t = clock[r][lane] = max(t, rendered.get((r, a.step), t))
+                    t = clock[r][lane] = max(t, done)
                 send(r, a, t)
             elif a.kind == "P":
                 if ("P", r, a.peer, a.step, -1) not in sent:  # the first of its step's group sends them all
