@@ -163,14 +163,17 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         return self.planner.plan(start, stop, self.table, motion, growth)
 
     def _begin_phase(self, step: int, optimizers) -> None:
-        """Plan the phase, start its program: the phase-start publications go out with the first step's waits."""
+        """Plan the phase (the runtime and the splat path set up for it); `_start_program` starts it once the
+        phase-start state is projected for its first reads."""
         self.plan = self._plan_phase(step, optimizers)
         self.plans_made += 1
-        me = self.env.rank
         envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
         self.runtime.begin(self.plan, self.table, envelope)
         self.splats.begin(self.plan, self.table, self.runtime.home_start)
-        self.splats.project_update(step - 1, timed=False)  # the phase-start state's projections (its set-up)
+
+    def _start_program(self, step: int) -> None:
+        """The phase's program: the phase-start publications go out with the first step's waits."""
+        me = self.env.rank
         self.program = Program(self.plan.actions(me), me, self.plan.start, self.plan.stop)
         if self.recorder is not None:
             self.recorder.append([self.plan.start, [f"{a.step}: {a!r}" for a in self.program.actions]])
@@ -229,10 +232,15 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         record = self.log.begin(step)
         if self.plan is None or not self.plan.contains(step):
             record.phase_start = True
-            with self.log.waiting("phase"), self.ops.paused():  # a phase's planning is not a step's work
-                started = time.perf_counter()
-                self._begin_phase(step, optimizers)
-                record.plan_s = time.perf_counter() - started
+            with self.ops.paused():  # a phase's planning is not a step's work
+                with self.log.waiting("phase"):
+                    started = time.perf_counter()
+                    self._begin_phase(step, optimizers)
+                    record.plan_s = time.perf_counter() - started
+                # the phase-start state projected for the reads that take it (render work, as every projection
+                # an owner makes for its readers: throughput-first's reach a step further than the exact ones')
+                self.splats.project_update(step - 1)
+                self._start_program(step)
         views = self.plan.rank_views(step, self.env.rank)
         record.views = list(views)
         self._ctx = StepContext(step, optimizers)

@@ -33,7 +33,6 @@ the splats and kept projections in flight.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -131,15 +130,15 @@ class SplatPath(SplatReader):
             mask[torch.tensor(extra, dtype=torch.int64)] = True
         return torch.nonzero(mask).flatten()
 
-    def project_update(self, update: int, timed: bool = True) -> None:
-        """After update `update` (start-1: the phase start, timed as the phase's set-up): project every read of
-        this rank's blocks that takes its version, one call per step read at (render work)."""
+    def project_update(self, update: int) -> None:
+        """After update `update` (start-1: the phase start): project every read of this rank's blocks that takes
+        its version, one call per step read at (render work)."""
         plan, rt = self.plan, self.runtime
         last = min(update + 1 + plan.staleness, plan.stop - 1)
         rt.decide_reads(update, last)
         for step in range(update + 2, last + 1):  # reads behind that take this version (throughput-first)
             rt.extras_behind(update, step)
-        with self.log.computing() if timed else contextlib.nullcontext(), self.ops.paused():
+        with self.log.computing(), self.ops.paused():
             for step in range(max(update + 1, plan.start), last + 1):
                 pairs = [(q, j) for q in range(plan.num_ranks) if rt.read_version.get((step, q)) == update
                          for j in range(len(plan.rank_views(step, q)))]
