@@ -119,3 +119,33 @@ def test_every_rank_failing_at_once_exits_with_its_error(tmp_path):
             assert (f"injected fault at step 8 on rank {rank}" in proc.stderr
                     or f"odin: rank {rank}: stopped by the launcher" in proc.stderr), proc.stderr[-3000:]
         assert re.search(r"odin: error: rank [01] failed \(exit 1\)", proc.stderr), proc.stderr[-3000:]
+
+
+BLOCKED_IN_THE_STORE = """
+from datetime import timedelta
+import torch.distributed as dist
+from odin_ns.runtime.dist_env import install_termination_message
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+install_termination_message(1)
+print("waiting", flush=True)
+store.get("a key no rank sets")
+"""
+
+
+def test_a_rank_blocked_in_the_transport_stops_on_sigterm():
+    """When a rank fails, torchrun stops the others with SIGTERM and kills them 30 s later. A rank blocked inside
+    the transport (a collective, a group's set-up, here the store waiting for a key no rank sets) runs no Python
+    handler until that call returns: it still says why and exits on the signal, not minutes later."""
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_THE_STORE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        main_thread = psutil.Process(proc.pid)
+        while main_thread.status() != psutil.STATUS_SLEEPING:  # inside the store's wait
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        assert "odin: rank 1: stopped by the launcher" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,15 +52,37 @@ def die_with_parent() -> None:
 
 
 def install_termination_message(rank: int) -> None:
-    """On SIGTERM (torchrun tearing the job down after a failure elsewhere), say so in one line and exit."""
+    """On SIGTERM (torchrun tearing the job down after a failure elsewhere), say so in one line and exit.
 
-    def _on_term(signum, frame):  # noqa: ARG001 (signal handler signature)
-        sys.stderr.write(f"odin: rank {rank}: stopped by the launcher (another rank failed or the job was "
-                         "interrupted); see the launcher's message for the failed rank\n")
-        sys.stderr.flush()
+    Python runs a signal's handler on the main thread between two bytecodes: a rank blocked inside the transport
+    (a collective, a process group's set-up, the store) would run it only when that call returns, and torchrun
+    kills a worker that has not exited 30 s after its SIGTERM: a job whose rank 0 stopped at a bad flag while rank
+    1 set up its groups took 38 s to end. So the signal's number is also written, at once, to a pipe
+    (`signal.set_wakeup_fd`) that a thread of the rank reads: whichever sees it first exits. Written here: Python
+    has no handler that runs off the main thread."""
+    message = (f"odin: rank {rank}: stopped by the launcher (another rank failed or the job was interrupted); see "
+               "the launcher's message for the failed rank\n").encode()
+
+    def _stop() -> None:
+        os.write(2, message)  # no lock a blocked main thread could hold
         os._exit(143)
 
+    def _on_term(signum, frame):  # noqa: ARG001 (signal handler signature)
+        _stop()
+
     signal.signal(signal.SIGTERM, _on_term)
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set the wakeup pipe (the handler above still stops the rank)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def _watch() -> None:
+        while True:
+            if signal.SIGTERM in os.read(read, 64):  # every signal with a Python handler writes its number
+                _stop()
+
+    threading.Thread(target=_watch, name="odin-sigterm", daemon=True).start()
 
 
 # what gloo, NCCL and the c10d store say when a peer process or its machine is gone
