@@ -149,3 +149,29 @@ def test_a_rank_blocked_in_the_transport_stops_on_sigterm():
     finally:
         proc.kill()
         proc.wait()
+
+
+FORKED_CHILD = """
+import os, signal, time
+from odin_ns.runtime.dist_env import install_termination_message
+install_termination_message(0)
+ready, started = os.pipe()
+child = os.fork()
+if child == 0:
+    os.write(started, b"x")  # past the fork's own set-up
+    time.sleep(300)
+    os._exit(0)
+os.read(ready, 1)
+os.kill(child, signal.SIGTERM)
+_, status = os.waitpid(child, 0)
+time.sleep(0.5)  # the rank's pipe is read at once: a byte there would have stopped it by now
+print("rank alive after its child's SIGTERM", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_childs_sigterm_does_not_stop_the_rank():
+    """A child forked without exec (a worker pool) inherits the rank's wakeup pipe: its own SIGTERM must not reach
+    the rank's thread that stops the rank."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank alive after its child's SIGTERM 143" in proc.stdout

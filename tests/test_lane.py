@@ -44,3 +44,26 @@ def test_a_views_gradients_go_once_it_is_rendered_and_the_update_after_the_steps
     lane.put(ctx)
     lane.join()
     assert ran == [("G", [0], 0), ("G", [1], 0), ("U", None, 0)]
+
+
+def test_an_inline_lane_sends_a_gradient_without_a_view_after_the_steps_renders():
+    """A hand-built G without a view slot (-1) waits for the step's renders, inline as on a thread."""
+    from odin_ns.schedule.actions import Action
+
+    actions = [parse_action("R v0", 0), Action("G", 0, 1, (2,), on_thread=True), parse_action("R v1", 0),
+               parse_action("U~ b0", 0)]
+    ran = []
+
+    def note(group, ctx):
+        ran.append(group[0].kind)
+
+    handlers = {"G": note, "U": note, "P": note, "decide": lambda a, until: True, "probe": lambda a: True}
+    lane = Lane(Program(actions, rank=0, start=0, stop=1), handlers, mode="inline")
+    ctx = StepContext(0, None)
+    lane.ready(0)
+    lane.rendered(ctx, 0)
+    lane.rendered(ctx, 1)
+    assert ran == []
+    lane.put(ctx)
+    lane.join()
+    assert ran == ["G", "U"]

@@ -70,12 +70,12 @@ def install_termination_message(rank: int) -> None:
     def _on_term(signum, frame):  # noqa: ARG001 (signal handler signature)
         _stop()
 
-    signal.signal(signal.SIGTERM, _on_term)
-    if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread may set the wakeup pipe (the handler above still stops the rank)
+    signal.signal(signal.SIGTERM, _on_term)  # the main thread's (Python refuses it elsewhere)
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    # a child forked without exec (a worker pool) keeps the pipe: its own SIGTERM would stop this rank
+    os.register_at_fork(after_in_child=_forget_wakeup_pipe)
 
     def _watch() -> None:
         while True:
@@ -83,6 +83,13 @@ def install_termination_message(rank: int) -> None:
                 _stop()
 
     threading.Thread(target=_watch, name="odin-sigterm", daemon=True).start()
+
+
+def _forget_wakeup_pipe() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the child's main thread
+        pass
 
 
 # what gloo, NCCL and the c10d store say when a peer process or its machine is gone

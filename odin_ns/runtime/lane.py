@@ -108,7 +108,7 @@ class Lane:
         if self._thread is None:
             lane = self.program.lane
             while self.error is None and self._next < len(lane) and lane[self._next].kind == "G" \
-                    and lane[self._next].step == ctx.step and lane[self._next].slot <= slot:
+                    and lane[self._next].step == ctx.step and 0 <= lane[self._next].slot <= slot:
                 self._advance()
         self._raise()
 
