@@ -14,9 +14,9 @@ from odin_ns.runtime.lane import Lane
 from odin_ns.schedule.actions import parse_action
 
 
-def _lane(mode: str):
-    # one step, two views: each view's gradients to rank 1, then the update
-    actions = [parse_action(t, 0) for t in ("R v0", "G~ s0 b2->r1", "R v1", "G~ s1 b2->r1", "U~ b0")]
+def _lane(mode: str, actions=None):
+    # by default one step, two views: each view's gradients to rank 1, then the update
+    actions = actions or [parse_action(t, 0) for t in ("R v0", "G~ s0 b2->r1", "R v1", "G~ s1 b2->r1", "U~ b0")]
     ran, sent = [], threading.Event()
 
     def note(group, ctx):
@@ -50,15 +50,8 @@ def test_an_inline_lane_sends_a_gradient_without_a_view_after_the_steps_renders(
     """A hand-built G without a view slot (-1) waits for the step's renders, inline as on a thread."""
     from odin_ns.schedule.actions import Action
 
-    actions = [parse_action("R v0", 0), Action("G", 0, 1, (2,), on_thread=True), parse_action("R v1", 0),
-               parse_action("U~ b0", 0)]
-    ran = []
-
-    def note(group, ctx):
-        ran.append(group[0].kind)
-
-    handlers = {"G": note, "U": note, "P": note, "decide": lambda a, until: True, "probe": lambda a: True}
-    lane = Lane(Program(actions, rank=0, start=0, stop=1), handlers, mode="inline")
+    lane, ran, _ = _lane("inline", [parse_action("R v0", 0), Action("G", 0, 1, (2,), on_thread=True),
+                                    parse_action("R v1", 0), parse_action("U~ b0", 0)])
     ctx = StepContext(0, None)
     lane.ready(0)
     lane.rendered(ctx, 0)
@@ -66,4 +59,4 @@ def test_an_inline_lane_sends_a_gradient_without_a_view_after_the_steps_renders(
     assert ran == []
     lane.put(ctx)
     lane.join()
-    assert ran == ["G", "U"]
+    assert ran == [("G", [-1], 0), ("U", None, 0)]

@@ -276,6 +276,12 @@ def test_a_views_gradients_leave_the_lane_once_that_view_is_rendered(inline):
     costs = Costs(render=lambda v: 1.0, update=0.0, latency=0.0, phase=0.0, bandwidth=1.0,
                   message_bytes=lambda r, a: 1.0, inline_lane=inline)
     assert simulate_phase(lists, 10, costs, [0.0, 0.0], [0.0, 0.0]) == [2.0, 3.0]
+    # a hand-built G without a view slot waits for the step's renders: none here, so it goes at once (1 s on the
+    # wire to the owner's update)
+    from odin_ns.schedule.actions import Action
+
+    lists = {0: [Action("G", 10, 1, (2,), on_thread=True)], 1: [parse_action("U~ b2", 10)]}
+    assert simulate_phase(lists, 10, costs, [0.0, 0.0], [0.0, 0.0]) == [0.0, 1.0]
 
 
 def test_a_list_that_renders_a_steps_views_out_of_the_plans_order_is_refused():

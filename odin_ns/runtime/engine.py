@@ -322,8 +322,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
 
     def _send_gradients(self, group, ctx: StepContext) -> None:
         self.splats.send_gradients(ctx.step, [(a.slot, a.peer) for a in group])
-        last = len(self.plan.rank_views(ctx.step, self.env.rank)) - 1
-        if self.lane is not None and self.lane_mode == "inline" and all(a.slot in (last, -1) for a in group):
+        if self.lane is not None and self.lane_mode == "inline" and \
+                group[0].slot in (-1, len(self.plan.rank_views(ctx.step, self.env.rank)) - 1):  # a group: one view
             self._sent.note(ctx.step)  # the owners' probe: this rank's gradients of the step are out
 
     def _update(self, group, ctx: StepContext) -> None:

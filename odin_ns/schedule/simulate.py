@@ -253,8 +253,10 @@ def simulate_phase(actions: Dict[int, Sequence[Action]], start: int, costs: Cost
                         clock[r][0] = max(clock[r][0], clock[r][lane])  # the render starts after it
             elif a.kind == "G":
                 if a.on_thread:  # after its view's render (a hand-written G without a slot: the step's renders)
-                    done = view_done.get((r, a.step, a.slot)) if a.slot >= 0 else \
-                        None if renders_left.get((r, a.step), 0) else rendered.get((r, a.step))
+                    if a.slot >= 0:
+                        done = view_done.get((r, a.step, a.slot))
+                    else:
+                        done = None if renders_left.get((r, a.step), 0) else rendered.get((r, a.step), t)
                     if done is None:
                         break
                     t = clock[r][lane] = max(t, done)
