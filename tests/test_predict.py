@@ -89,7 +89,7 @@ def test_predict_replays_every_policy_on_the_garden(tmp_path):
 def test_a_blocks_visible_share_counts_its_points_in_the_image():
     import torch
 
-    from odin_ns.schedule.geometry_plan import visible_share
+    from odin_ns.schedule.visibility import visible_gaussians, visible_share
     from odin_ns.schedule.predict_scenes import look_at
 
     # block 0: 100 points at x in [-1, 1] (all in view of a camera on the -z side looking at the origin);
@@ -105,6 +105,15 @@ def test_a_blocks_visible_share_counts_its_points_in_the_image():
     assert share.shape == (1, 3)
     assert share[0, 0] == 1.0 and share[0, 2] == 0.0
     assert abs(share[0, 1] - 0.5) < 0.03
+    # the view order's cost: a view's Gaussians in its image, views of two sizes (each tested at its own): the
+    # same camera with half the width, its principal point at the image's left edge, sees the half of block 0 at
+    # world x <= 0 (the camera's x runs along world -x) and the whole near half of block 1 (x < 0): 50 + 25
+    K_half = torch.tensor([[[100.0, 0.0, 0.0], [0.0, 100.0, 50.0], [0.0, 0.0, 1.0]]])
+    counts = torch.tensor([100, 50, 10])
+    full, half = visible_gaussians(means, counts, [(viewmat, K, 100, 100), (viewmat, K_half, 50, 100)])
+    assert full == float((share[0].double() * counts).sum())
+    assert half == float((visible_share(means, counts, viewmat, K_half, 50, 100)[0].double() * counts).sum())
+    assert abs(half - 75.0) <= 2.0 and full >= 124.0
 
 
 def test_an_unknown_scene_or_link_is_one_line():

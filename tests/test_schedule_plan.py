@@ -154,6 +154,29 @@ def test_regional_order_keeps_ranks_in_their_region_and_apart():
     assert coupled_odin < 0.6 * coupled_random
 
 
+@pytest.mark.parametrize("ranks,micro", [(2, 1), (3, 1), (2, 2)])
+def test_regional_order_gives_a_steps_views_alike_costs(ranks, micro):
+    """Within an epoch each slot's views, costliest first, take the epoch's steps in one drawn order: a step holds
+    the i-th costliest view of every slot, so from step to step the slots' costs rise and fall together (on the
+    exact path a step waits for its slowest view); the steps' order is drawn, not the costs'."""
+    sched, _, _, _ = _regional(num_views=36, ranks=ranks, micro=micro)  # epochs of whole steps for G = 2, 3, 4
+    sched.costs = [c + 0.01 * v for v, c in enumerate(sched.costs)]  # distinct costs, before any epoch is laid out
+    G = ranks * micro
+    per_epoch = 36 // G
+    for e in range(3):
+        steps = [[v for r in sched.global_views(t) for v in r] for t in range(e * per_epoch, (e + 1) * per_epoch)]
+        assert sorted(v for s in steps for v in s) == list(range(36))
+        for s in steps:
+            for t in steps:
+                for j in range(G):
+                    for k in range(G):
+                        cj = sched.costs[s[j]] - sched.costs[t[j]]
+                        ck = sched.costs[s[k]] - sched.costs[t[k]]
+                        assert cj * ck >= 0, (e, s, t)
+        first_slot = [sched.costs[s[0]] for s in steps]
+        assert first_slot != sorted(first_slot) and first_slot != sorted(first_slot, reverse=True)
+
+
 def test_regional_order_does_not_depend_on_how_the_batch_is_split():
     two, _, _, _ = _regional(ranks=2, micro=1)
     one, _, _, _ = _regional(ranks=1, micro=2)

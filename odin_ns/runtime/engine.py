@@ -47,6 +47,7 @@ from odin_ns.runtime.whole_model import WholeModel
 from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
+from odin_ns.schedule.visibility import visible_gaussians
 
 SENT_KEY = "odin/lane/gradients-sent/"  # the inline lanes' notes in the job's store (runtime/sent_marks.py)
 
@@ -101,7 +102,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         self.block_size = block_size
         self.param_names = PARAM_NAMES
         self._projections: Dict[Tuple[int, int], Tuple] = {}
-        self._shard_initial_model(block_size)
+        initial_means = self._shard_initial_model(block_size)
         # every training camera's projection now (set-up, whatever the order): the first plan of training would
         # otherwise pay for it, seconds on the first views, and count it as a phase wait
         downscale = model._get_downscale_factor()
@@ -110,7 +111,9 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
             self._projection(v, downscale)
         self.schedule = view_schedule(
             view_order, lambda: view_read_masks(self.table, lambda v: self._projection(v, downscale), views),
-            self.table.count, views, env.world_size, micro_batch, datamanager.config.train_cameras_sampling_seed)
+            self.table.count, views, env.world_size, micro_batch, datamanager.config.train_cameras_sampling_seed,
+            lambda: visible_gaussians(initial_means, self.table.count,
+                                      [self._projection(v, downscale) for v in range(views)]))
         self.planner = PhasePlanner(env.world_size, micro_batch, self.schedule,
                                     lambda v: self._projection(v, model._get_downscale_factor()),
                                     self.policy.program_at(self.staleness).name, self.staleness, self.admit_overlap)
@@ -119,14 +122,15 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
     # ---- set-up ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _shard_initial_model(self, block_size: int) -> None:
+    def _shard_initial_model(self, block_size: int) -> torch.Tensor:
         """Cut the (identical on every rank) initial model into blocks (k-d leaves or Morton runs) and keep this
-        rank's share."""
+        rank's share; returns the whole model's means in block order (the view order's costs are made from them)."""
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
         for n, value in self._shard_full(params, block_size).items():
             self.model.gauss_params[n] = torch.nn.Parameter(value)
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
         self._new_runner()
+        return params["means"][self._cut_order]
 
     def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int,
                     counts: Sequence[int] | None = None) -> Dict[str, torch.Tensor]:
@@ -135,6 +139,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         blocks: `full` is in block order) the blocks are those runs of rows instead of a new cut."""
         order, self.table = cut_blocks(full["means"], torch.exp(full["scales"]), block_size, self.block_cut,
                                        self.env.world_size, counts)
+        self._cut_order = order  # the rows of `full` in block order
         ordered = {n: p[order] for n, p in full.items()}
         block_of = torch.repeat_interleave(torch.arange(self.table.num_blocks), self.table.count)
         mine = (self.table.owner[block_of] == self.env.rank).to(full["means"].device)

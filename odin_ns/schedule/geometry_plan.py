@@ -18,34 +18,8 @@ from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.scene.read_sets import blocks_in_views
 from odin_ns.schedule.phase_planner import NEAR_PLANE, PhasePlanner, view_schedule
 from odin_ns.schedule.preview import Preview
+from odin_ns.schedule.visibility import visible_share
 
-
-
-def visible_share(means: torch.Tensor, counts: torch.Tensor, viewmats: torch.Tensor, Ks: torch.Tensor, width: int,
-                  height: int, samples: int = 64) -> torch.Tensor:
-    """Float [views, blocks]: the share of each block's points (`means` in block order, `counts` per block) that
-    project inside each view's image in front of it, from up to `samples` points of each block spread evenly
-    through its run. What a view's gradients and an update's publication carry of a block: its rows in view."""
-    starts = torch.cumsum(counts, 0) - counts
-    k = torch.arange(samples, dtype=torch.float64)
-    taken = counts.clamp(max=samples)[:, None].double()  # every point of a block smaller than `samples`
-    offsets = (k[None, :] * counts[:, None].double() / taken.clamp_min(1)).long()
-    valid = k[None, :] < taken
-    idx = (starts[:, None] + offsets.clamp_max((counts[:, None] - 1).clamp_min(0)))[valid]
-    block = torch.arange(len(counts))[:, None].expand(-1, samples)[valid]
-    per_block = valid.sum(dim=1).clamp_min(1).double()
-    pts = torch.cat([means[idx].double(), torch.ones(len(idx), 1, dtype=torch.float64)], dim=1)
-    out = torch.zeros(viewmats.shape[0], len(counts), dtype=torch.float64)
-    for v0 in range(0, viewmats.shape[0], 64):  # 64 views at a time: [64, points, 3] stays small
-        cam = torch.einsum("vij,nj->vni", viewmats[v0:v0 + 64].double(), pts)[..., :3]
-        K = Ks[v0:v0 + 64].double()
-        z = cam[..., 2]
-        px = K[:, None, 0, 0] * cam[..., 0] / z.clamp_min(1e-9) + K[:, None, 0, 2]
-        py = K[:, None, 1, 1] * cam[..., 1] / z.clamp_min(1e-9) + K[:, None, 1, 2]
-        seen = (z > NEAR_PLANE) & (px >= 0) & (px < width) & (py >= 0) & (py < height)
-        out[v0:v0 + 64] = torch.zeros(seen.shape[0], len(counts), dtype=torch.float64).index_add_(
-            1, block, seen.double()) / per_block
-    return out.float()
 
 
 def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: torch.Tensor, Ks: torch.Tensor,
@@ -61,7 +35,9 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     mask = blocks_in_views(lo, hi, viewmats, Ks, torch.full((V,), width), torch.full((V,), height), table.max_scale,
                            torch.zeros(V), torch.zeros(V), near=NEAR_PLANE) & (counts > 0)[None, :]
     cameras = [(viewmats[v:v + 1], Ks[v:v + 1], width, height) for v in range(V)]
-    schedule = view_schedule(view_order, lambda: mask, counts, V, ranks, micro_batch, seed)  # one batched test
+    visible = visible_share(means[order], counts, viewmats, Ks, width, height)
+    schedule = view_schedule(view_order, lambda: mask, counts, V, ranks, micro_batch, seed,  # one batched test
+                             lambda: (visible.double() * counts.double()[None, :]).sum(dim=1).tolist())
     planner = PhasePlanner(ranks, micro_batch, schedule, cameras.__getitem__)
     plans = [planner.plan(start, min(start + phase_length, steps), table) for start in range(0, steps, phase_length)]
     filled = counts > 0
@@ -70,4 +46,4 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     gaussians = (mask.to(torch.float64) * counts.to(torch.float64)[None, :]).sum(dim=1).tolist()
     return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=[pixels or width * height] * V,
                    block_counts=counts.tolist(), block_extent=extent, num_views=V,
-                   visible=visible_share(means[order], counts, viewmats, Ks, width, height))
+                   visible=visible)

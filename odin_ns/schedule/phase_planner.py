@@ -88,15 +88,17 @@ def view_read_masks(table, camera: Callable[[int], tuple], num_views: int) -> to
 
 
 def view_schedule(view_order: str, masks: Callable[[], torch.Tensor], counts: torch.Tensor, num_views: int,
-                  num_ranks: int, micro_batch: int, seed: int):
+                  num_ranks: int, micro_batch: int, seed: int,
+                  costs: Optional[Callable[[], Sequence[float]]] = None):
     """nerfstudio's seeded random order ("random"), or Odin's ("odin": each view to the rank whose share of the
-    blocks holds most of what it reads, from each view's read set, `masks()` ([V, B], asked only for Odin's), and
-    its cost in Gaussians, `counts` per block)."""
+    blocks holds most of what it reads, from each view's read set, `masks()` ([V, B], asked only for Odin's), a
+    step's views of alike cost, `costs()` per view (`schedule.visibility.visible_gaussians`; without, the
+    Gaussians of its read set, `counts` per block))."""
     if view_order == "random":
         return ViewSchedule(num_views=num_views, num_ranks=num_ranks, micro_batch=micro_batch, seed=seed)
     if view_order != "odin":
         raise ValueError(f"unknown view order {view_order!r} (odin or random)")
-    return odin_schedule(masks(), counts, num_ranks, micro_batch, seed)
+    return odin_schedule(masks(), counts, num_ranks, micro_batch, seed, None if costs is None else costs())
 
 
 def motion_bounds(optimizers, params, steps: int, done: Optional[int] = None) -> Tuple[List[float], List[float]]:

@@ -22,6 +22,7 @@ from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
+from odin_ns.schedule.visibility import visible_gaussians, visible_share
 
 
 @dataclass
@@ -80,7 +81,8 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     projections = [view_projection(cameras[v:v + 1], downscale) for v in range(len(datamanager.train_dataset))]
     masks = view_read_masks(table, projections.__getitem__, len(projections))  # as a rank's view order reads them
     schedule = view_schedule(pipe.view_order, lambda: masks, table.count, len(projections), ranks, pipe.micro_batch,
-                             datamanager.config.train_cameras_sampling_seed)
+                             datamanager.config.train_cameras_sampling_seed,
+                             lambda: visible_gaussians(initial["means"][order], table.count, projections))
     # as a rank plans (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
     rules = PhaseRules.of_model(model, pipe.phase_length)
     rules.end_step, rules.save_every = first_step + steps, config.steps_per_save
@@ -102,8 +104,6 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
     extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
               for b in range(len(table.count))]
-    from odin_ns.schedule.geometry_plan import visible_share
-
     sizes = {(p[2], p[3]) for p in projections}
     visible = None
     if len(sizes) == 1:
