@@ -56,7 +56,8 @@ def test_evidence_counts_every_parameter_and_a_parameter_without_gradient_does_n
         expected = sum((after[touched, c0:c1] - before[touched, c0:c1]).pow(2).sum(dim=1).double()
                        for c0, c1 in param_columns(NUM_REST).values())
         assert bool((expected > 0).all())
-        torch.testing.assert_close(result.delta_sq, expected)  # every parameter's change, not one (sums in order)
+        # every parameter's change, not one; bit for bit (the sums in order, the squares' bits)
+        assert torch.equal(result.delta_sq, expected)
         for name in PARAM_NAMES:  # the SH coefficients above the active degree: no gradient, no moment, no step
             c0, c1 = param_columns(NUM_REST)[name]
             changed = not torch.equal(before[:, c0:c1], after[:, c0:c1])

@@ -81,7 +81,7 @@ class OwnerUpdate:
                 radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
         touched = TouchedRows(torch.zeros(n_owned, dtype=torch.bool, device=self.device).index_fill_(0, rows, True)) \
             if masked else None
-        delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if evidence else None
+        delta = None  # [n] float64: each of the sum's rows' squared change (evidence), selected at the end
         for name, (c0, c1) in zip(PARAM_NAMES, self.columns):
             param = model.gauss_params[name]
             grad = acc[:n, c0:c1].reshape((n,) + tuple(param.shape[1:]))
@@ -91,11 +91,18 @@ class OwnerUpdate:
                 before, after = optimizer.step_touched(touched, grad, keep_before=evidence, width=trained)
             else:
                 before, after, _ = optimizer.step_rows(rows, grad, keep_before=evidence, width=trained)
-            if T and delta_sq is not None:  # a row's squared change over the parameter's columns in float32, the
-                # parameters' sums added in float64 (the whole row in float64 cost more than the update itself)
-                change = row_sums(torch.sub(after, before, out=before).square_().flatten(1))  # `before` is
-                # the optimizer's kept copy: written over, as a new tensor the size of the rows costs its page faults
-                delta_sq += change.index_select(0, rows) if masked else change
+            if T and evidence:  # a row's squared change over the parameter's columns in float32, the parameters'
+                # sums added in float64 (the whole row in float64 cost more than the update itself); the squared
+                # difference as one operation (aten's mse_loss without reduction: (a - b) * (a - b), the bits of
+                # a sub and a square), written over `before`, the optimizer's kept copy (a new tensor the size of
+                # the rows costs its page faults); the first sum taken as it is (0 + x is x: a sum of squares is
+                # never -0.0), the masked update's rows selected once at the end (a row's additions are the same)
+                change = row_sums(torch.ops.aten.mse_loss.out(after, before, 0, out=before).flatten(1))
+                delta = change.double() if delta is None else delta.add_(change)
+        delta_sq = None
+        if evidence:
+            delta_sq = torch.zeros(T, dtype=torch.float64, device=self.device) if delta is None else \
+                delta.index_select(0, rows) if masked else delta
         if track:
             self._add_statistics(rows, acc[:n], radii[:n], n_owned)
         return UpdateResult(rows, delta_sq)
