@@ -46,8 +46,9 @@ def visible_share(means: torch.Tensor, counts: torch.Tensor, viewmats: torch.Ten
 def visible_gaussians(means: torch.Tensor, counts: torch.Tensor, cameras: Sequence[Tuple]) -> List[float]:
     """Per view: the Gaussians that project inside its image in front of it (`visible_share` times the blocks'
     counts, summed). `means` in block order, `counts` per block; `cameras` per view (viewmat [1, 4, 4],
-    K [1, 3, 3], width, height), views of one size tested together."""
-    counts = torch.as_tensor(counts)
+    K [1, 3, 3], width, height), views of one size tested together; computed on the CPU (schedule data, once at
+    start-up: a GPU rank's means come over once)."""
+    means, counts = means.detach().cpu(), torch.as_tensor(counts).cpu()
     out = [0.0] * len(cameras)
     sizes: dict = {}
     for v, (_, _, width, height) in enumerate(cameras):
