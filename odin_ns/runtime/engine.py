@@ -126,24 +126,25 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         """Cut the (identical on every rank) initial model into blocks (k-d leaves or Morton runs) and keep this
         rank's share; returns the whole model's means in block order (the view order's costs are made from them)."""
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-        for n, value in self._shard_full(params, block_size).items():
+        mine, ordered = self._shard_full(params, block_size)
+        for n, value in mine.items():
             self.model.gauss_params[n] = torch.nn.Parameter(value)
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
         self._new_runner()
-        return params["means"][self._cut_order]
+        return ordered["means"]
 
     def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int,
-                    counts: Sequence[int] | None = None) -> Dict[str, torch.Tensor]:
+                    counts: Sequence[int] | None = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
         """Lay the whole model out in blocks, assign owners, build the table; this rank's rows of every
-        tensor in `full` (parameters, or anything else with one row per Gaussian). With `counts` (a checkpoint's
-        blocks: `full` is in block order) the blocks are those runs of rows instead of a new cut."""
+        tensor in `full` (parameters, or anything else with one row per Gaussian), and every row in block order.
+        With `counts` (a checkpoint's blocks: `full` is in block order) the blocks are those runs of rows instead of
+        a new cut."""
         order, self.table = cut_blocks(full["means"], torch.exp(full["scales"]), block_size, self.block_cut,
                                        self.env.world_size, counts)
-        self._cut_order = order  # the rows of `full` in block order
         ordered = {n: p[order] for n, p in full.items()}
         block_of = torch.repeat_interleave(torch.arange(self.table.num_blocks), self.table.count)
         mine = (self.table.owner[block_of] == self.env.rank).to(full["means"].device)
-        return {n: t[mine].contiguous() for n, t in ordered.items()}
+        return {n: t[mine].contiguous() for n, t in ordered.items()}, ordered
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width

@@ -45,7 +45,7 @@ class WholeModel:
         strategy = resume.get("strategy", {}) if counts is not None else {}
         for k, v in strategy.items():
             full[f"state:{k}"] = v.to(full["means"].device)
-        mine = self._shard_full(full, self.block_size, counts)
+        mine, _ = self._shard_full(full, self.block_size, counts)
         for n in PARAM_NAMES:
             optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
             self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)

@@ -124,16 +124,22 @@ class OdinSchedule:
 
     def _balanced_steps(self, slot_of: Dict[int, int], offset: int, n: int) -> List[int]:
         """The epoch's stream positions [offset, offset + n) filled with each slot's views so that the views of a
-        step cost alike: the epoch's steps are drawn in a seeded random order, and each slot's views, costliest
-        first, take its places in that order (a step gets the i-th costliest view of every slot). On the exact
-        path every rank waits for the slowest view of the step (its gradients and publications), so the wait is
-        the spread of a step's costs: on the built-in city the mean spread of a step's two views fell from 6.0 to
-        2.5 ms (the views' measured render times; 1.6 with them as the costs). The draw is its own generator's,
-        seeded by the run's seed and the epoch's place, so nerfstudio's permutations stay the same draws."""
+        step cost alike: the epoch's whole steps are drawn in a seeded random order, then come its partial steps
+        (the first and last, where the epoch's length is not a multiple of the global batch: they share their
+        step with the epochs beside), and each slot's views, costliest first, take its places in that order. A
+        whole step then gets the i-th costliest view of every slot (a slot absent from a step ranked before the
+        whole ones would fall a place behind in every step after it); a partial one the cheapest views left, as
+        the next epoch's part of that step does. On the exact path every rank waits for the step's slowest view
+        (its gradients and publications), so the wait is the spread of a step's costs: on the built-in city the
+        mean spread of a step's two views fell from 6.0 to 2.5 ms (the views' measured render times; 1.6 with
+        them as the costs). The draw is its own generator's, seeded by the run's seed and the epoch's place, so
+        nerfstudio's permutations stay the same draws."""
         G = self.global_batch
         rng = random.Random(f"{self.seed}:{offset}")
         steps = sorted({(offset + i) // G for i in range(n)})
-        rank_of_step = {s: k for k, s in enumerate(rng.sample(steps, len(steps)))}
+        whole = [t for t in steps if t * G >= offset and (t + 1) * G <= offset + n]
+        partial = [t for t in steps if t not in whole]
+        rank_of_step = {s: k for k, s in enumerate(rng.sample(whole, len(whole)) + partial)}
         places: List[List[int]] = [[] for _ in range(G)]
         for i in range(n):
             places[(offset + i) % G].append(i)
