@@ -154,15 +154,16 @@ def test_regional_order_keeps_ranks_in_their_region_and_apart():
     assert coupled_odin < 0.6 * coupled_random
 
 
-@pytest.mark.parametrize("ranks,micro,num_views", [(2, 1, 36), (3, 1, 36), (2, 2, 36), (2, 1, 35), (3, 1, 38),
-                                                   (2, 2, 37)])
-def test_regional_order_gives_a_steps_views_alike_costs(ranks, micro, num_views):
+@pytest.mark.parametrize("ranks,micro,num_views,seed", [(2, 1, 36, 5), (3, 1, 36, 5), (2, 2, 36, 5), (2, 1, 35, 5),
+                                                        (3, 1, 38, 5), (2, 2, 37, 5), (2, 1, 25, 4), (3, 1, 23, 5)])
+def test_regional_order_gives_a_steps_views_alike_costs(ranks, micro, num_views, seed):
     """Within an epoch each slot's views, costliest first, take the epoch's steps in one drawn order: a whole step
     holds the i-th costliest view of every slot, so from step to step the slots' costs rise and fall together (on
     the exact path a step waits for its slowest view), also where an epoch is not whole steps (its partial steps
     come last: a slot absent from a step ranked among the whole ones would fall a place behind after it); the
-    steps' order is drawn, not the costs'."""
-    sched, _, _, _ = _regional(num_views=num_views, ranks=ranks, micro=micro)
+    steps' order is drawn, not the costs'; no view twice in a step (in the step two epochs share, a view the
+    epoch before placed there trades places with its slot's next cheapest)."""
+    sched, _, _, _ = _regional(num_views=num_views, ranks=ranks, micro=micro, seed=seed)
     sched.costs = [c + 0.01 * v for v, c in enumerate(sched.costs)]  # distinct costs, before any epoch is laid out
     G = ranks * micro
     for t in range(4 * num_views // G + 1):
@@ -176,10 +177,14 @@ def test_regional_order_gives_a_steps_views_alike_costs(ranks, micro, num_views)
                                          key=lambda v: -sched.costs[v])):
                 rank[v] = i
         whole = [t for t in range(-(-first // G), last // G)]
-        for t in whole:
-            assert len({rank[stream[t * G + k]] for k in range(G)}) == 1, (e, t)
+        off = [t for t in whole if len({rank[stream[t * G + k]] for k in range(G)}) > 1]
+        # aligned but where a view of the step shared with the epoch before traded places (one a slot there)
+        assert len(off) <= (G - 1 if first % G else 0), (e, off)
         first_slot = [sched.costs[stream[t * G]] for t in whole]
         assert first_slot != sorted(first_slot) and first_slot != sorted(first_slot, reverse=True)
+    # no view twice in a step, the steps two epochs share included (their partial steps both take cheap views)
+    for t in range(4 * num_views // G):
+        assert len(set(stream[t * G:(t + 1) * G])) == G, t
 
 
 def test_regional_order_does_not_depend_on_how_the_batch_is_split():
