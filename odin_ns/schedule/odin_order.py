@@ -130,11 +130,11 @@ class OdinSchedule:
         whole step then gets the i-th costliest view of every slot (a slot absent from a step ranked before the
         whole ones would fall a place behind in every step after it); a partial one the cheapest views left, as
         the next epoch's part of that step does, so that a view the epoch before placed in the step they share
-        trades places with its slot's next cheapest (no view twice in a step). On the exact path every rank waits for the step's slowest view
-        (its gradients and publications), so the wait is the spread of a step's costs: on the built-in city the
-        mean spread of a step's two views fell from 6.0 to 2.5 ms (the views' measured render times; 1.6 with
-        them as the costs). The draw is its own generator's, seeded by the run's seed and the epoch's place, so
-        nerfstudio's permutations stay the same draws."""
+        trades places with its slot's next cheapest (no view twice in a step). On the exact path every rank waits
+        for the step's slowest view (its gradients and publications), so the wait is the spread of a step's costs:
+        on the built-in city the mean spread of a step's two views fell from 6.0 to 2.5 ms (the views' measured
+        render times; 1.6 with them as the costs). The draw is its own generator's, seeded by the run's seed and
+        the epoch's place, so nerfstudio's permutations stay the same draws."""
         G = self.global_batch
         rng = random.Random(f"{self.seed}:{offset}")
         steps = sorted({(offset + i) // G for i in range(n)})
