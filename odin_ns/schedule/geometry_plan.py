@@ -18,7 +18,7 @@ from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.scene.read_sets import blocks_in_views
 from odin_ns.schedule.phase_planner import NEAR_PLANE, PhasePlanner, view_schedule
 from odin_ns.schedule.preview import Preview
-from odin_ns.schedule.visibility import visible_share
+from odin_ns.schedule.visibility import view_gaussians, visible_share
 
 
 
@@ -37,7 +37,7 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     cameras = [(viewmats[v:v + 1], Ks[v:v + 1], width, height) for v in range(V)]
     visible = visible_share(means[order], counts, viewmats, Ks, width, height)
     schedule = view_schedule(view_order, lambda: mask, counts, V, ranks, micro_batch, seed,  # one batched test
-                             lambda: (visible.double() * counts.double()[None, :]).sum(dim=1).tolist())
+                             lambda: view_gaussians(visible, counts))
     planner = PhasePlanner(ranks, micro_batch, schedule, cameras.__getitem__)
     plans = [planner.plan(start, min(start + phase_length, steps), table) for start in range(0, steps, phase_length)]
     filled = counts > 0

@@ -22,7 +22,7 @@ from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.policies import POLICIES
-from odin_ns.schedule.visibility import visible_gaussians, visible_share
+from odin_ns.schedule.visibility import view_gaussians, visible_gaussians, visible_share
 
 
 @dataclass
@@ -80,9 +80,18 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     cameras = datamanager.train_dataset.cameras
     projections = [view_projection(cameras[v:v + 1], downscale) for v in range(len(datamanager.train_dataset))]
     masks = view_read_masks(table, projections.__getitem__, len(projections))  # as a rank's view order reads them
+    blocked = initial["means"][order]
+    sizes = {(p[2], p[3]) for p in projections}
+    visible = None  # each view's share of each block's rows (the prediction's messages), where views share a size
+    if len(sizes) == 1:
+        (W, H), = sizes
+        visible = visible_share(blocked, table.count, torch.cat([p[0] for p in projections]),
+                                torch.cat([p[1] for p in projections]), W, H)
+    # the view order's costs, as a rank makes them (`visible_gaussians`: the same shares where views share a size)
     schedule = view_schedule(pipe.view_order, lambda: masks, table.count, len(projections), ranks, pipe.micro_batch,
                              datamanager.config.train_cameras_sampling_seed,
-                             lambda: visible_gaussians(initial["means"][order], table.count, projections))
+                             lambda: view_gaussians(visible, table.count) if visible is not None else
+                             visible_gaussians(blocked, table.count, projections))
     # as a rank plans (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
     rules = PhaseRules.of_model(model, pipe.phase_length)
     rules.end_step, rules.save_every = first_step + steps, config.steps_per_save
@@ -104,12 +113,6 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
     extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
               for b in range(len(table.count))]
-    sizes = {(p[2], p[3]) for p in projections}
-    visible = None
-    if len(sizes) == 1:
-        (W, H), = sizes
-        visible = visible_share(initial["means"][order], table.count, torch.cat([p[0] for p in projections]),
-                                torch.cat([p[1] for p in projections]), W, H)
     return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=pixels,
                    block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians),
                    staleness=pipe.max_staleness, admit_overlap=pipe.admit_overlap, visible=visible)

@@ -56,6 +56,11 @@ def visible_gaussians(means: torch.Tensor, counts: torch.Tensor, cameras: Sequen
     for (width, height), views in sizes.items():
         share = visible_share(means, counts, torch.cat([cameras[v][0] for v in views]),
                               torch.cat([cameras[v][1] for v in views]), width, height)
-        for v, g in zip(views, (share.double() * counts.double()[None, :]).sum(dim=1).tolist()):
+        for v, g in zip(views, view_gaussians(share, counts)):
             out[v] = g
     return out
+
+
+def view_gaussians(share: torch.Tensor, counts: torch.Tensor) -> List[float]:
+    """Per view: the Gaussians in its image, from its `visible_share` of each block and the blocks' counts."""
+    return (share.double() * torch.as_tensor(counts).double()[None, :]).sum(dim=1).tolist()
