@@ -164,6 +164,35 @@ def test_the_splat_data_path_prices_one_splat_per_view_and_gaussian_seen():
         priced("photons")
 
 
+def test_a_view_renders_the_gaussians_in_its_image_where_the_model_was_calibrated_in_view():
+    """h200 (its benchmark sees nearly every Gaussian it renders): a view pays the projection's share for every
+    Gaussian of the blocks it reads and the rest only for those in its image; the published model (per Gaussian of
+    a whole scene) prices the Gaussians read; without the shares in view, both price the Gaussians read."""
+    import torch
+
+    from odin_ns.schedule.gpu_costs import GPUS, PROJECTION_SHARE, gpu_costs
+    from odin_ns.schedule.links import link
+
+    plan = _jitter_plan(staleness=0)  # 2 ranks, 4 blocks, every view reads all
+    views = 2 * len(plan.views)
+    counts = [100, 100, 40, 80]
+    read = [float(sum(counts))] * views
+    visible = torch.zeros(views, 4)
+    visible[0] = torch.tensor([1.0, 0.5, 0.0, 0.25])  # view 0 sees 100 + 50 + 20 of its 320 Gaussians
+    visible[1:] = 1.0
+    scale, pixels = 1000.0, [1e6] * views
+
+    def render(name, shares):
+        gpu = GPUS[name]
+        costs = gpu_costs([plan], read, pixels, counts, scale, gpu, link("pcie"), shares, data_path="splats")
+        fixed = gpu.render_fixed_s + gpu.render_per_pixel_s * 1e6
+        return [(costs.render(v) - fixed) / (gpu.render_per_gaussian_s * scale) for v in (0, 1)]
+
+    assert render("h200", visible) == pytest.approx([PROJECTION_SHARE * 320 + (1 - PROJECTION_SHARE) * 170, 320])
+    assert render("h200", None) == pytest.approx([320, 320])
+    assert render("published", visible) == pytest.approx([320, 320])
+
+
 def test_the_lanes_publications_carry_each_read_behind_once():
     """Throughput-first on splats: a read admitted behind is projected by its owner when its version is current, so
     the lane's publication of update u carries the splats of every read that takes u (the next step's current

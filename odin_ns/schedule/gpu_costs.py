@@ -1,7 +1,13 @@
 """Per-view and per-update costs of a GPU, for the prediction at rank counts this machine cannot run.
 
-A view's render (forward, loss, backward) costs  a + b * G + c * P  seconds, G the Gaussians of the blocks it
-reads and P its pixels; an owner's update of a step costs  u0 + u1 * T,  T the rows of its blocks that the step's
+A view's render (forward, loss, backward) costs  a + b * G + c * P  seconds, P its pixels and G its Gaussians:
+for a model calibrated on whole scenes (`published`: per Gaussian of the model), the Gaussians of the blocks the
+view reads; for one calibrated on a view that sees nearly every Gaussian it renders (`h200`: the renderer's
+benchmark, about 95% in the image), the Gaussians of those blocks in the view's image, with the projection's share
+of a Gaussian's cost (`PROJECTION_SHARE`) paid for every Gaussian of the blocks read: gsplat projects every
+Gaussian it is given and culls the ones outside the image, and rasterizes only the splats in it (on the CPU the
+render time of a view follows the Gaussians in its image, correlation 0.94, more than those it reads, 0.71). An
+owner's update of a step costs  u0 + u1 * T,  T the rows of its blocks that the step's
 views read (selective Adam on touched rows); every step adds the runtime's own launches (about 115-165 tensor
 operations and 2 host syncs per step by policy, `odin-bench scale`: ~1 ms); a phase boundary ~2 ms (a few small
 collectives).
@@ -48,6 +54,21 @@ DATA_PATHS = ("rows", "splats")
 # pair. An estimate, not measured here: fvdb-reality-capture's published garden benchmark projects in 0.46 ms of a
 # 1.84 ms forward render, and a backward costs about twice a forward.
 RECOMPUTE_SHARE = 0.1
+# A Gaussian's projection (its forward, as above, and a backward about as costly) as a share of its render, paid
+# for every Gaussian of the blocks a view reads; the rest only for those in the view's image. An estimate from the
+# same published benchmark, not measured here (no GPU).
+PROJECTION_SHARE = 2 * RECOMPUTE_SHARE
+
+
+def rendered_gaussians(gpu: "GpuModel", gaussians_read: Sequence[float], counts: Sequence[int],
+                       visible: Optional[torch.Tensor]) -> List[float]:
+    """Per view, the Gaussians its render is priced by (the module docstring): those of the blocks it reads, or, for
+    a model calibrated in view and where the blocks' shares in each view's image (`visible` [views, blocks]) are
+    known, the projection's share of those plus the rest of a Gaussian's cost for the ones in its image."""
+    if not gpu.in_view or visible is None:
+        return [float(g) for g in gaussians_read]
+    seen = (visible.double() * torch.as_tensor(counts, dtype=torch.float64)).sum(dim=1).tolist()
+    return [PROJECTION_SHARE * float(g) + (1 - PROJECTION_SHARE) * s for g, s in zip(gaussians_read, seen)]
 
 
 def pair_rows(plan: PhasePlan, step: int, count: torch.Tensor) -> torch.Tensor:
@@ -72,12 +93,13 @@ class GpuModel:
     step_overhead_s: float = 1e-3
     phase_s: float = 2e-3
     source: str = ""
+    in_view: bool = False  # calibrated on Gaussians in the image: a view's render prices those (module docstring)
 
 
 GPUS: Dict[str, GpuModel] = {m.name: m for m in (
     GpuModel("published", 40.8e-3, 5.64e-9, 0.0, 0.8e-3, 3.3e-9,
              source="gsplat's 30k-step Mip-NeRF 360 times (TITAN RTX): 42.6 ms + 8.94 ns/Gaussian per iteration"),
-    GpuModel("h200", 0.5e-3, 1.38e-9, 2.04e-9, 0.8e-3, 0.47e-9,
+    GpuModel("h200", 0.5e-3, 1.38e-9, 2.04e-9, 0.8e-3, 0.47e-9, in_view=True,
              source="measured on one H200: gsplat forward+backward and fused Adam"),
 )}
 
@@ -91,7 +113,8 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     rows of the owner's blocks its views see (a G per view: each view its share of the rank's rows of a block, by
     its pairs), a publication the rows of the blocks the update touched (some view of the step sees them), from
     `visible` (share of a block's rows in a view); without it, whole blocks (a bound). The update's rows are the
-    same touched rows.
+    same touched rows. A view's render is priced by `rendered_gaussians` (with `visible`, for a model calibrated in
+    view, by the Gaussians in its image).
 
     data_path "splats" prices the messages of the splat data path instead (what the runtime moves): an owner's
     publication of update u to a reader carries one splat per (view, Gaussian) pair of the reader's views that see
@@ -113,7 +136,7 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     view_pairs: Dict[Tuple[int, int, int], torch.Tensor] = {}
     n_views: Dict[Tuple[int, int], int] = {}  # (step, rank) -> its views
     render = [gpu.render_fixed_s + gpu.render_per_gaussian_s * scale * g + gpu.render_per_pixel_s * p
-              for g, p in zip(gaussians_read, pixels)]
+              for g, p in zip(rendered_gaussians(gpu, gaussians_read, counts, visible), pixels)]
     per_step: Dict[Tuple[int, int], Tuple[Tuple[int, ...], float, float, float]] = {}
     owner_at: Dict[int, torch.Tensor] = {}  # step -> [blocks] owning rank (the splat path's publications)
     read_at: Dict[Tuple[int, int, int], int] = {}  # (step, reader, owner) -> the version its read takes (lists)
@@ -196,7 +219,8 @@ def single_gpu_iteration_s(gpu: GpuModel, gaussians: float, pixels: float) -> fl
 
 
 def describe(gpu: GpuModel, link: Link, reference: Optional[Tuple[float, float]] = (5.84e6, 1297 * 840)) -> str:
-    line = f"GPU model {gpu.name} ({gpu.source}); link {link.name} ({link.source})"
+    priced = "the Gaussians in its image" if gpu.in_view else "the Gaussians of the blocks it reads"
+    line = f"GPU model {gpu.name} ({gpu.source}; a view's render priced by {priced}); link {link.name} ({link.source})"
     if reference:
         line += (f"; one GPU alone at {reference[0] / 1e6:.2f}M Gaussians, {reference[1] / 1e6:.2f} Mpx: "
                  f"{1000 * single_gpu_iteration_s(gpu, *reference):.1f} ms per iteration")
