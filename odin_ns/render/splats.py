@@ -94,16 +94,7 @@ def rasterize_splats(splats: Tensor, radii: Tensor, width: int, height: int, ren
     if render_mode == "RGB+ED":
         colors = torch.cat([colors, depth[:, None]], dim=1)
     if splats.is_cuda:
-        from gsplat.cuda._wrapper import isect_offset_encode, isect_tiles, rasterize_to_pixels
-
-        tw, th = math.ceil(width / tile_size), math.ceil(height / tile_size)
-        n = splats.shape[0]
-        cams = torch.zeros(n, dtype=torch.int64, device=splats.device)
-        _, isect_ids, flatten_ids = isect_tiles(m2, radii, depth, tile_size, tw, th, packed=True, n_cameras=1,
-                                                camera_ids=cams, gaussian_ids=torch.arange(n, device=splats.device))
-        offsets = isect_offset_encode(isect_ids, 1, tw, th)
-        render, alpha = rasterize_to_pixels(m2, conic, colors, opacity, width, height, tile_size, offsets,
-                                            flatten_ids, packed=True, absgrad=absgrad)
+        render, alpha = _rasterize_cuda(m2, radii, depth, conic, colors, opacity, width, height, tile_size, absgrad)
     else:
         from .composite import RasterizeToPixelsCPU
         from .cpu import BATCH, SUBTILE
@@ -117,3 +108,17 @@ def rasterize_splats(splats: Tensor, radii: Tensor, width: int, height: int, ren
     if render_mode == "RGB+ED":
         render = torch.cat([render[..., :-1], render[..., -1:] / alpha.clamp(min=1e-10)], dim=-1)
     return render, alpha, m2
+
+
+def _rasterize_cuda(m2, radii, depth, conic, colors, opacity, width, height, tile_size, absgrad):
+    """gsplat's tile intersection and rasterization kernels on packed splats of one camera."""
+    from gsplat.cuda._wrapper import isect_offset_encode, isect_tiles, rasterize_to_pixels
+
+    tw, th = math.ceil(width / tile_size), math.ceil(height / tile_size)
+    n = m2.shape[0]
+    cams = torch.zeros(n, dtype=torch.int64, device=m2.device)
+    _, isect_ids, flatten_ids = isect_tiles(m2, radii, depth, tile_size, tw, th, packed=True, n_cameras=1,
+                                            camera_ids=cams, gaussian_ids=torch.arange(n, device=m2.device))
+    offsets = isect_offset_encode(isect_ids, 1, tw, th)
+    return rasterize_to_pixels(m2, conic, colors, opacity, width, height, tile_size, offsets, flatten_ids,
+                               packed=True, absgrad=absgrad)
