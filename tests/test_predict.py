@@ -165,12 +165,13 @@ def test_the_splat_data_path_prices_one_splat_per_view_and_gaussian_seen():
 
 
 def test_a_view_renders_the_gaussians_in_its_image_where_the_model_was_calibrated_in_view():
-    """h200 (its benchmark sees nearly every Gaussian it renders): a view pays the projection's share for every
-    Gaussian of the blocks it reads and the rest only for those in its image; the published model (per Gaussian of
-    a whole scene) prices the Gaussians read; without the shares in view, both price the Gaussians read."""
+    """h200 (its benchmark sees nearly every Gaussian it renders): a view pays a Gaussian's cost for each in its
+    image and the culled share of it for each other Gaussian of the blocks it reads; the published model (per
+    Gaussian of a whole scene) prices the Gaussians read; without the shares in view, both price the Gaussians
+    read."""
     import torch
 
-    from odin_ns.schedule.gpu_costs import GPUS, PROJECTION_SHARE, gpu_costs
+    from odin_ns.schedule.gpu_costs import CULLED_SHARE, GPUS, gpu_costs
     from odin_ns.schedule.links import link
 
     plan = _jitter_plan(staleness=0)  # 2 ranks, 4 blocks, every view reads all
@@ -188,7 +189,7 @@ def test_a_view_renders_the_gaussians_in_its_image_where_the_model_was_calibrate
         fixed = gpu.render_fixed_s + gpu.render_per_pixel_s * 1e6
         return [(costs.render(v) - fixed) / (gpu.render_per_gaussian_s * scale) for v in (0, 1)]
 
-    assert render("h200", visible) == pytest.approx([PROJECTION_SHARE * 320 + (1 - PROJECTION_SHARE) * 170, 320])
+    assert render("h200", visible) == pytest.approx([170 + CULLED_SHARE * 150, 320])
     assert render("h200", None) == pytest.approx([320, 320])
     assert render("published", visible) == pytest.approx([320, 320])
 

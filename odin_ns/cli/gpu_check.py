@@ -2,7 +2,10 @@
 
 1. the cuda-marked tests: gsplat's kernels against the CPU rasterizer on one scene, one rank training on the GPU,
    NCCL ranks equal to one process (with a GPU per rank);
-2. a short `odin-bench train` of the policies on NCCL ranks (2 GPUs or more; NCCL refuses two ranks on one GPU).
+2. the two halves of the splat data path timed apart at 1M and 6M Gaussians, all in the image and half out of it
+   (`python -m odin_ns.render.bench --halves`): the figures of the H200 model in `schedule/gpu_costs.py` (a
+   Gaussian's cost in view, and `CULLED_SHARE`);
+3. a short `odin-bench train` of the policies on NCCL ranks (2 GPUs or more; NCCL refuses two ranks on one GPU).
 Without CUDA it says so in one line and exits 0: nothing here can be checked on a CPU.
 """
 
@@ -26,6 +29,11 @@ def main() -> int:
     code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", str(tests)])
     if code != 0:
         return code
+    for outside in ("0", "0.5"):
+        code = subprocess.call([sys.executable, "-m", "odin_ns.render.bench", "--halves", "--device", "cuda",
+                                "--sizes", "1000000x1297x840", "6000000x1297x840", "--outside", outside])
+        if code != 0:
+            return code
     if gpus < 2:
         print("gpu-check: one GPU: the policies' side-by-side bench needs a GPU per rank (NCCL); skipped")
         return 0

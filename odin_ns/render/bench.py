@@ -3,6 +3,14 @@
     python -m odin_ns.render.bench                 # the three reference sizes, 2 threads
     python -m odin_ns.render.bench --sizes 50000x256x256 --repeats 5 --profile
     python -m odin_ns.render.bench --device cuda --sizes 1000000x1297x840   # gsplat (a per-view cost on a GPU)
+    python -m odin_ns.render.bench --halves --device cuda --sizes 1000000x1297x840 6000000x1297x840 --outside 0.5
+
+`--halves` times the two halves of the splat data path apart (`render/splats.py`; gsplat's kernels on CUDA): the
+owner's projection and SH colours of the view's Gaussians, forward and backward, and the reader's tile
+intersection and rasterization of the splats, forward and backward; `--outside F` moves a share F of the
+Gaussians out of the image (beside it, in front of the camera), which the projection still takes and culls: what
+a view costs per Gaussian of the blocks it reads against per Gaussian in its image (the prediction's
+`schedule.gpu_costs.CULLED_SHARE`).
 
 The scene is meant to look like a training view: one camera, Gaussians spread through the frustum (depth 2-10,
 about 5% outside the image), projected sizes log-uniform so a splat's 3-sigma footprint spans from a few
@@ -17,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,6 +100,67 @@ def fwd_bwd(scene, **kw) -> float:
     return time.perf_counter() - t0
 
 
+def moved_outside(scene, share: float):
+    """The scene with its first `share` of Gaussians moved beside the image (x shifted by three image widths at
+    their depth): in front of the camera, culled by the projection."""
+    if share <= 0:
+        return scene
+    means = scene["means"].clone()
+    k = int(share * means.shape[0])
+    f = float(scene["Ks"][0, 0, 0])
+    means[:k, 0] += 3.0 * scene["width"] / f * means[:k, 2]
+    return dict(scene, means=means)
+
+
+def halves(scene) -> Tuple[float, float, int]:
+    """Seconds of the owner's half (projection and SH colours, forward and backward) and of the reader's (tile
+    intersection and rasterization of those splats, forward and backward), and the splats in the image."""
+    from .projection import RowCameras
+    from .splats import project_splats, rasterize_splats
+
+    device = scene["means"].device
+    leaves = {"means": scene["means"], "quats": scene["quats"], "log_scales": scene["scales"].log(),
+              "logits": torch.logit(scene["opacities"])[:, None], "coeffs": scene["colors"]}
+    leaves = {k: v.clone().requires_grad_() for k, v in leaves.items()}
+    cams = RowCameras.one(scene["viewmats"][0], scene["Ks"][0], scene["width"], scene["height"])
+    _sync(device)
+    t0 = time.perf_counter()
+    _, radii, splats = project_splats(leaves["means"], leaves["quats"], leaves["log_scales"], leaves["logits"],
+                                      leaves["coeffs"], cams, scene["sh_degree"], antialiased=False)
+    splats.backward(torch.ones_like(splats))
+    _sync(device)
+    t1 = time.perf_counter()
+    received = splats.detach().requires_grad_()
+    render, alpha, _ = rasterize_splats(received, radii, scene["width"], scene["height"])
+    ((render - scene["target"]).abs().mean() + alpha.mean()).backward()
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1, int(radii.shape[0])
+
+
+def main_halves(args, device) -> List[dict]:
+    rows = []
+    for size in args.sizes:
+        n, w, h = (int(v) for v in size.split("x"))
+        scene = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in moved_outside(make_scene(n, w, h), args.outside).items()}
+        halves(scene)  # warm-up
+        runs = [halves(scene) for _ in range(args.repeats)]
+        owner, reader = (statistics.median(r[i] for r in runs) for i in (0, 1))
+        rows.append(dict(size=size, n=n, width=w, height=h, outside=args.outside, visible=runs[0][2],
+                         owner_s=owner, reader_s=reader))
+    what = f"gsplat on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else \
+        f"CPU, {args.threads} threads"
+    print(f"odin_ns.render halves, {what}, forward+backward, median of {args.repeats}; {args.outside:.0%} of the "
+          "Gaussians out of the image")
+    for r in rows:
+        share = r["owner_s"] / (r["owner_s"] + r["reader_s"])
+        print(f"  {r['n']:,} Gaussians ({r['visible']:,} in the image), {r['width']}x{r['height']}: owner "
+              f"{1000 * r['owner_s']:.2f} ms ({1e9 * r['owner_s'] / r['n']:.3f} ns a Gaussian), reader "
+              f"{1000 * r['reader_s']:.2f} ms ({1e9 * r['reader_s'] / max(r['visible'], 1):.3f} ns a splat); "
+              f"the owner's share {share:.2f}")
+    return rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="NxWxH, e.g. 50000x256x256")
@@ -102,9 +171,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per size")
     ap.add_argument("--device", default="cpu", help="cpu (the CPU rasterizer) or cuda (gsplat's kernels)")
+    ap.add_argument("--halves", action="store_true", help="time the owner's and the reader's half apart")
+    ap.add_argument("--outside", type=float, default=0.0, help="with --halves: share of Gaussians out of the image")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
+    if args.halves:
+        return main_halves(args, device)
     kw = {"absgrad": args.absgrad}
     if args.subtile:
         kw["subtile"] = args.subtile

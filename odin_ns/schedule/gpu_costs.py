@@ -3,14 +3,15 @@
 A view's render (forward, loss, backward) costs  a + b * G + c * P  seconds, P its pixels and G its Gaussians:
 for a model calibrated on whole scenes (`published`: per Gaussian of the model), the Gaussians of the blocks the
 view reads; for one calibrated on a view that sees nearly every Gaussian it renders (`h200`: the renderer's
-benchmark, about 95% in the image), the Gaussians of those blocks in the view's image, with the projection's share
-of a Gaussian's cost (`PROJECTION_SHARE`) paid for every Gaussian of the blocks read: gsplat projects every
-Gaussian it is given and culls the ones outside the image, and rasterizes only the splats in it (on the CPU the
-render time of a view follows the Gaussians in its image, correlation 0.94, more than those it reads, 0.71). An
-owner's update of a step costs  u0 + u1 * T,  T the rows of its blocks that the step's
-views read (selective Adam on touched rows); every step adds the runtime's own launches (about 115-165 tensor
-operations and 2 host syncs per step by policy, `odin-bench scale`: ~1 ms); a phase boundary ~2 ms (a few small
-collectives).
+benchmark, about 95% in the image), the Gaussians of those blocks in the view's image, and a share
+(`CULLED_SHARE`) of a Gaussian's cost for each of the others: gsplat's projection computes a Gaussian's 2-D
+footprint before it culls one outside the image, and colours, intersects, rasterizes and back-propagates only the
+splats in it (on the CPU the render time of a view follows the Gaussians in its image, correlation 0.94, more than
+those it reads, 0.71, and a culled Gaussian costs 0.3% of one in view: `python -m odin_ns.render.bench --halves
+--outside 0.5`, which measures the same on a GPU). An owner's update of a step costs  u0 + u1 * T,  T the rows
+of its blocks that the step's views read (selective Adam on touched rows); every step adds the runtime's own
+launches (about 115-165 tensor operations and 2 host syncs per step by policy, `odin-bench scale`: ~1 ms); a phase
+boundary ~2 ms (a few small collectives).
 
 Two calibrations:
 - published (default): gsplat's own 30k-step training times on Mip-NeRF 360 (gsplat docs, tests/eval: TITAN
@@ -54,21 +55,21 @@ DATA_PATHS = ("rows", "splats")
 # pair. An estimate, not measured here: fvdb-reality-capture's published garden benchmark projects in 0.46 ms of a
 # 1.84 ms forward render, and a backward costs about twice a forward.
 RECOMPUTE_SHARE = 0.1
-# A Gaussian's projection (its forward, as above, and a backward about as costly) as a share of its render, paid
-# for every Gaussian of the blocks a view reads; the rest only for those in the view's image. An estimate from the
-# same published benchmark, not measured here (no GPU).
-PROJECTION_SHARE = 2 * RECOMPUTE_SHARE
+# A Gaussian of the blocks a view reads that is out of its image, as a share of one in it: its projection's
+# forward, as above (the kernel computes its footprint, then culls it; no colour, no backward). An estimate, not
+# measured here (no GPU).
+CULLED_SHARE = RECOMPUTE_SHARE
 
 
 def rendered_gaussians(gpu: "GpuModel", gaussians_read: Sequence[float], counts: Sequence[int],
                        visible: Optional[torch.Tensor]) -> List[float]:
     """Per view, the Gaussians its render is priced by (the module docstring): those of the blocks it reads, or, for
     a model calibrated in view and where the blocks' shares in each view's image (`visible` [views, blocks]) are
-    known, the projection's share of those plus the rest of a Gaussian's cost for the ones in its image."""
+    known, those in its image and `CULLED_SHARE` of each of the others."""
     if not gpu.in_view or visible is None:
         return [float(g) for g in gaussians_read]
     seen = (visible.double() * torch.as_tensor(counts, dtype=torch.float64)).sum(dim=1).tolist()
-    return [PROJECTION_SHARE * float(g) + (1 - PROJECTION_SHARE) * s for g, s in zip(gaussians_read, seen)]
+    return [s + CULLED_SHARE * max(float(g) - s, 0.0) for g, s in zip(gaussians_read, seen)]
 
 
 def pair_rows(plan: PhasePlan, step: int, count: torch.Tensor) -> torch.Tensor:
