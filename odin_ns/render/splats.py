@@ -28,6 +28,11 @@ SPLAT_WIDTH = 10  # means2d (2), depth, conic (3), opacity, RGB (3)
 MEANS2D, DEPTH, CONIC, OPACITY, RGB = slice(0, 2), 2, slice(3, 6), 6, slice(7, 10)
 
 
+def _gsplat_kernels(t: Tensor) -> bool:
+    """Whether the halves run gsplat's kernels on `t` (CUDA) rather than this package's (the CPU)."""
+    return t.is_cuda
+
+
 def project_splats(means: Tensor, quats: Tensor, log_scales: Tensor, logit_opacities: Tensor, coeffs: Tensor,
                    cams: RowCameras, sh_degree: Optional[int], antialiased: bool, near_plane: float = 0.01,
                    far_plane: float = 1e10, eps2d: float = 0.3) -> Tuple[Tensor, Tensor, Tensor]:
@@ -37,7 +42,7 @@ def project_splats(means: Tensor, quats: Tensor, log_scales: Tensor, logit_opaci
     `coeffs` [N, K, 3] are SH coefficients (DC first) for `sh_degree`, or, with `sh_degree` None, logits of
     the colour ([N, 1, 3], splatfacto's colour without SH). Returns (ids [n]: which of the N are visible, in
     ascending order; radii [n] int32; splats [n, SPLAT_WIDTH], differentiable w.r.t. the inputs)."""
-    if means.is_cuda:
+    if _gsplat_kernels(means):
         return _project_cuda(means, quats, log_scales, logit_opacities, coeffs, cams, sh_degree, antialiased,
                              near_plane, far_plane, eps2d)
     from .projection import covariances, partition_free, project_visible
@@ -93,7 +98,10 @@ def rasterize_splats(splats: Tensor, radii: Tensor, width: int, height: int, ren
     colors = splats[:, RGB]
     if render_mode == "RGB+ED":
         colors = torch.cat([colors, depth[:, None]], dim=1)
-    if splats.is_cuda:
+    if _gsplat_kernels(splats):
+        # gsplat's wrapper hands `means2d.contiguous()` to its autograd function, whose backward puts `absgrad` on
+        # that tensor: a strided slice would get it on a copy, and the caller none
+        m2 = m2.contiguous()
         render, alpha = _rasterize_cuda(m2, radii, depth, conic, colors, opacity, width, height, tile_size, absgrad)
     else:
         from .composite import RasterizeToPixelsCPU
