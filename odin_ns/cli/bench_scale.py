@@ -1,7 +1,8 @@
 """`odin-bench scale`: the runtime's own cost per step as the scene grows, against the floor of a plain Adam step.
 
     odin-bench scale [--sizes 4000,40000,200000] [--block-sizes 512,64] [--steps 40] [--count-steps 4]
-                     [--policies odin-barrier,odin] [--json FILE] [-- NS-TRAIN ARGS]
+                     [--policies odin-barrier,odin] [--ranks 2] [--device cpu] [--json FILE] [-- NS-TRAIN ARGS]
+    odin-bench scale --ranks 1 --device cuda --sizes 1000000 --block-sizes 4096 --policies odin   # make gpu-check
 
 For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
 densification off, so the count stays; SH degree 3 from step 3, so that every one of a row's 59 columns trains, as
@@ -15,7 +16,8 @@ peak resident Gaussians per rank (its owned rows) as a share of the model, and i
 Adam's moments and the most its message buffers held at once) as a share of one process's rows with moments. The
 floor: an Adam step over a rank's owned rows written as three in-place operations on one packed [rows, 59] tensor
 (the moments' two, the parameters' one), on one thread (as each of 2 ranks on 2 cores gets), timed in this same
-invocation; `torch.optim.Adam` over the six parameters is timed beside it. The targets of the runtime at scale (its
+invocation; `torch.optim.Adam` over the six parameters is timed beside it. `--device cuda` trains the ranks on the
+GPU and times both floors there (one rank: NCCL takes a GPU per rank). The targets of the runtime at scale (its
 own work: update + bookkeeping + loop + planning, every step, at most 3x the floor; operations and syncs flat in the
 block count, syncs at most 2) are printed beside the figures. An owner's projections for its readers and their
 backward count as render.
@@ -45,49 +47,53 @@ def city_args(size: int, block_size: int) -> List[str]:
             "odin-city", "--width", "64", "--height", "48", "--num-points", str(size)]
 
 
-def adam_floor_ms(rows: int, repeats: int = 15) -> float:
-    """Median ms of one `torch.optim.Adam` step over `rows` Gaussians (the six parameters, 59 columns), one thread."""
+def _timed_ms(step, repeats: int, device: str) -> float:
+    """Median ms of `step()` over `repeats` calls after one more, on one CPU thread or synchronized on CUDA."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
-        widths = (3, 3, 4, 3, 45, 1)
-        params = [torch.nn.Parameter(torch.randn(rows, w)) for w in widths]
-        opt = torch.optim.Adam(params, lr=1e-3, eps=1e-15)
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
+        step()
         times = []
         for _ in range(repeats):
+            sync()
             started = time.perf_counter()
-            opt.step()
+            step()
+            sync()
             times.append(time.perf_counter() - started)
         return 1000 * statistics.median(times)
     finally:
         torch.set_num_threads(threads)
 
 
-def inplace_adam_floor_ms(rows: int, repeats: int = 15) -> float:
-    """Median ms of an Adam step over `rows` packed Gaussians (59 columns) written as three in-place operations,
-    one thread: what an update of a rank's owned rows cannot go below."""
+def adam_floor_ms(rows: int, repeats: int = 15, device: str = "cpu") -> float:
+    """Median ms of one `torch.optim.Adam` step over `rows` Gaussians (the six parameters, 59 columns), one thread
+    (on CUDA its default, the fused or multi-tensor kernels)."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        param, grad = torch.randn(rows, COLUMNS), torch.randn(rows, COLUMNS)
-        m, v = torch.zeros_like(param), torch.ones_like(param)
-        times = []
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            m.lerp_(grad, 0.1)
-            v.mul_(0.999).addcmul_(grad, grad, value=0.001)
-            param.addcdiv_(m, v.sqrt().add_(1e-15), value=-1e-3)
-            times.append(time.perf_counter() - started)
-        return 1000 * statistics.median(times[1:])
-    finally:
-        torch.set_num_threads(threads)
+    widths = (3, 3, 4, 3, 45, 1)
+    params = [torch.nn.Parameter(torch.randn(rows, w, device=device)) for w in widths]
+    opt = torch.optim.Adam(params, lr=1e-3, eps=1e-15)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return _timed_ms(opt.step, repeats, device)
+
+
+def inplace_adam_floor_ms(rows: int, repeats: int = 15, device: str = "cpu") -> float:
+    """Median ms of an Adam step over `rows` packed Gaussians (59 columns) written as three in-place operations,
+    one thread (or the GPU): what an update of a rank's owned rows cannot go below."""
+    import torch
+
+    param, grad = torch.randn(rows, COLUMNS, device=device), torch.randn(rows, COLUMNS, device=device)
+    m, v = torch.zeros_like(param), torch.ones_like(param)
+
+    def step():
+        m.lerp_(grad, 0.1)
+        v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        param.addcdiv_(m, v.sqrt().add_(1e-15), value=-1e-3)
+    return _timed_ms(step, repeats, device)
 
 
 FULL_DEGREE_FROM = 4  # SH degree 3 from step 3 (`city_args`: a degree a step), whose change starts a phase: the
@@ -132,6 +138,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--policies", default="odin-barrier,odin", help="methods, comma list")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--count-steps", type=int, default=4, help="last steps whose operations are counted")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks per run (default 2)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="train on the CPU or on CUDA (then the floors are timed on the GPU too)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("extra", nargs=argparse.REMAINDER,
                     help="after --: ns-train arguments for every run (e.g. --pipeline.view-order random)")
@@ -141,42 +150,47 @@ def main(argv: Optional[List[str]] = None) -> int:
     policies = args.policies.split(",")
     if args.count_steps < 1 or args.steps <= args.count_steps + 5:
         raise SystemExit("odin: error: --steps must exceed --count-steps by more than 5 (timed steps come first)")
+    if args.ranks < 1:
+        raise SystemExit("odin: error: --ranks must be at least 1")
     count_from = args.steps - args.count_steps
     env = {"ODIN_NS_COUNT_OPS": f"{count_from}:{args.steps - 1}"}
+    device_args = ["--machine.device-type", "cuda"] if args.device == "cuda" else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
             for block_size in block_sizes:
                 for method in policies:
-                    print(f"odin-bench scale: {method}, {size} Gaussians, block size {block_size}, 2 ranks, "
-                          f"{args.steps} steps", flush=True)
+                    print(f"odin-bench scale: {method}, {size} Gaussians, block size {block_size}, {args.ranks} "
+                          f"rank(s), {args.steps} steps, {args.device}", flush=True)
                     out = Path(tmp) / f"{method}-{size}-{block_size}"
                     # --steps counts steps (the recipe would count views: a step of 2 ranks trains 2)
-                    run = run_training(2, method, ["--max-num-iterations", str(args.steps), "--pipeline.recipe",
-                                                   "steps", "--pipeline.view-order", "odin"]
+                    run = run_training(args.ranks, method, ["--max-num-iterations", str(args.steps),
+                                                            "--pipeline.recipe", "steps", "--pipeline.view-order",
+                                                            "odin"] + device_args
                                        + [a for a in args.extra if a != "--"] + city_args(size, block_size),
                                        out, method, "odin", env=env)
                     stats = {"summary": run["summary"], "steps": run["records"]}
                     rows.append({"method": method, "size": size, "block_size": block_size,
                                  **per_step(stats, count_from)})
     owned = {size: int(statistics.mean(r["owned_mean"] for r in rows if r["size"] == size)) for size in sizes}
-    floors = {size: inplace_adam_floor_ms(n) for size, n in owned.items()}
-    optim = {size: adam_floor_ms(n) for size, n in owned.items()}
+    floors = {size: inplace_adam_floor_ms(n, device=args.device) for size, n in owned.items()}
+    optim = {size: adam_floor_ms(n, device=args.device) for size, n in owned.items()}
     for r in rows:
         r["adam_floor_ms"] = floors[r["size"]]
         r["torch_adam_ms"] = optim[r["size"]]
         r["runtime_ms"] = r["update"] + r["bookkeeping"] + r["loop"] + r["plan"]
         r["floor_ratio"] = r["runtime_ms"] / r["adam_floor_ms"] if r["adam_floor_ms"] else float("nan")
         r["non_render_share"] = (r["wall"] - r["render"]) / r["wall"] if r["wall"] else float("nan")
-    print_table(rows)
+    print_table(rows, args.ranks, args.device)
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "count_steps": args.count_steps, "rows": rows},
                                         indent=2))
     return 0
 
 
-def print_table(rows: List[Dict]) -> None:
-    table = Table(title="the runtime at scale: 2 ranks, ms per step and rank (mean of every step but the first)")
+def print_table(rows: List[Dict], ranks: int = 2, device: str = "cpu") -> None:
+    table = Table(title=f"the runtime at scale: {ranks} rank(s) on {device}, ms per step and rank (mean of every "
+                        "step but the first)")
     for col in ("method", "Gaussians", "blocks", "render", "update", "bookkeeping", "loop", "plan", "wait",
                 "own work / Adam floor (torch.optim.Adam)", "ops/step", "syncs/step", "resident per rank",
                 "wall - render"):
@@ -194,8 +208,9 @@ def print_table(rows: List[Dict]) -> None:
     Console(width=220).print(table)
     print(f"Targets: the runtime's own work (update + bookkeeping + loop + planning, every step) <= "
           f"{TARGET_FLOOR_RATIO}x the Adam floor (an Adam step over a rank's owned rows as three in-place "
-          "operations, one thread, timed in this invocation; torch.optim.Adam in brackets); operations per step flat "
-          "in the block count, host syncs at most 2; wall - render <= 25% at 200k Gaussians; resident per rank: its "
+          "operations, one thread or the GPU, timed in this invocation; torch.optim.Adam in brackets); operations "
+          "per step flat in the block count, host syncs at most 2; wall - render <= 25% at 200k Gaussians; resident "
+          "per rank: its "
           "owned rows, as a share of the model / its peak bytes (owned rows with Adam's moments and the most its "
           "message buffers held at once) as a share of one process's rows with moments.")
 

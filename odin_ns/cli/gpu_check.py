@@ -5,7 +5,9 @@
 2. the two halves of the splat data path timed apart at 1M and 6M Gaussians, all in the image and half out of it
    (`python -m odin_ns.render.bench --halves`): the figures of the H200 model in `schedule/gpu_costs.py` (a
    Gaussian's cost in view, and `CULLED_SHARE`);
-3. a short `odin-bench train` of the policies on NCCL ranks (2 GPUs or more; NCCL refuses two ranks on one GPU).
+3. the runtime's own time a step on one GPU rank at 1M Gaussians (`odin-bench scale --ranks 1 --device cuda`:
+   update, bookkeeping and loop against an Adam floor timed on the GPU, its operations and host syncs);
+4. a short `odin-bench train` of the policies on NCCL ranks (2 GPUs or more; NCCL refuses two ranks on one GPU).
 Without CUDA it says so in one line and exits 0: nothing here can be checked on a CPU.
 """
 
@@ -30,6 +32,9 @@ def main() -> int:
     for outside in ("0", "0.5"):  # timed whatever the tests said: a device's time is short
         code = subprocess.call([sys.executable, "-m", "odin_ns.render.bench", "--halves", "--device", "cuda",
                                 "--sizes", "1000000x1297x840", "6000000x1297x840", "--outside", outside]) or code
+    code = subprocess.call([sys.executable, "-m", "odin_ns.cli.bench", "scale", "--ranks", "1", "--device", "cuda",
+                            "--sizes", "1000000", "--block-sizes", "4096", "--policies", "odin", "--steps", "16"]) \
+        or code
     if code != 0:
         return code
     if gpus < 2:
