@@ -72,6 +72,9 @@ def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cau
 
 
 RECORD_ENV = "ODIN_NS_RECORD_MESSAGES"  # set: every message of the run is recorded (test of the action lists)
+# "0": on gloo too, every receive is posted when its handler needs it, as on NCCL (the tests run the GPUs' path of
+# the receives on CPU ranks)
+RECEIVES_AHEAD_ENV = "ODIN_NS_RECEIVES_AHEAD"
 
 
 class Channels:
@@ -151,8 +154,9 @@ class Channels:
     def posts_ahead(self) -> bool:
         """Whether receives may be posted before they are needed: gloo's complete one by one, in any order of
         waiting; NCCL runs a rank's point-to-point batches in order on one stream, so a receive posted early
-        would hold up the rank's own later sends until its peer sends (a cycle when the peer waits for them)."""
-        return self.device.type == "cpu"
+        would hold up the rank's own later sends until its peer sends (a cycle when the peer waits for them).
+        `ODIN_NS_RECEIVES_AHEAD=0` makes gloo post them as NCCL does."""
+        return self.device.type == "cpu" and os.environ.get(RECEIVES_AHEAD_ENV, "1") != "0"
 
     def wait_for(self, works: Sequence[dist.Work], cause: str) -> None:
         """Until receives posted earlier have arrived."""
