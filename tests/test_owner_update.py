@@ -124,13 +124,15 @@ def test_the_in_place_masked_update_equals_the_gathered_one():
     """Where a step touches most of the owned rows the CPU update runs in place over every row with Adam a no-op on
     the untouched ones (`SelectiveAdam.step_touched`); it gives the gathered update's parameters, moments,
     densification statistics and evidence, bit for bit, with contributions that also carry rows no view saw (zero
-    pieces, as a projection's rows outside the view)."""
+    pieces, as a projection's rows outside the view). So does the update a GPU runs (gathered, the largest radius
+    in one `index_reduce_`, the evidence's row sums torch's), run here on the CPU."""
     width = param_columns(NUM_REST)["opacities"][1]
     runs = []
-    for share in (0.0, 1.0):  # always masked where not every row is touched / never
+    for share, cpu_ways in ((0.0, True), (1.0, True), (0.0, False)):  # always masked where not every row is
+        # touched / never / a GPU's ways
         model, optimizers, _ = _model_and_optimizers(17, lambda step: min(step, 3))
         update = OwnerUpdate(model, NUM_REST, torch.device("cpu"))
-        update.masked_share = share
+        update.masked_share, update.cpu_ways = share, cpu_ways
         runs.append((model, optimizers, update, []))
     g = torch.Generator().manual_seed(18)
     for step in range(6):
@@ -144,12 +146,13 @@ def test_the_in_place_masked_update_equals_the_gathered_one():
         for model, optimizers, update, results in runs:
             results.append(update.run(step, [(idx, piece), other], torch.tensor(touched), optimizers, track=True,
                                       evidence=True).delta_sq)
-    (ma, oa, _, ra), (mb, ob, _, rb) = runs
-    for x, y in zip(_state(ma, oa), _state(mb, ob)):
-        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
-    for key in ("grad2d", "count", "radii"):
-        assert torch.equal(ma.strategy_state[key], mb.strategy_state[key]), key
-    assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+    (ma, oa, _, ra) = runs[0]
+    for mb, ob, _, rb in runs[1:]:
+        for x, y in zip(_state(ma, oa), _state(mb, ob)):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+        for key in ("grad2d", "count", "radii"):
+            assert torch.equal(ma.strategy_state[key], mb.strategy_state[key]), key
+        assert all(torch.equal(x, y) for x, y in zip(ra, rb))
 
 
 def test_row_sums_are_torch_sums_bit_for_bit():

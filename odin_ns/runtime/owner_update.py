@@ -51,6 +51,10 @@ class OwnerUpdate:
         self._radii: Optional[torch.Tensor] = None  # the largest radius of each row
         self._place: Optional[torch.Tensor] = None  # each owned row's place among the touched rows
         self.coefficients = TrainedCoefficients(model, num_rest)
+        # the CPU's ways: the masked in-place update where a step touches most rows, the largest radius gathered and
+        # written back, a row's few columns summed as column additions; a GPU's: the gathered update, one
+        # `index_reduce_`, torch's sum (the same bits: the tests run the GPU's ways on the CPU too)
+        self.cpu_ways = device.type == "cpu"
         # on the CPU, the share of owned rows a step must touch for the in-place masked update (the same bits as
         # the gathered one; the whole update on one thread, 100k owned rows with 2 views' contributions: masked
         # 32-33 ms whatever the share, gathered 30.4 / 33.1 / 35.9 / 41.6 ms at 48 / 55 / 61 / 72% touched)
@@ -64,7 +68,7 @@ class OwnerUpdate:
         model, width = self.model, self.width
         n_owned = model.gauss_params["means"].shape[0]
         T = rows.shape[0]
-        masked = self.device.type == "cpu" and self.masked_share * n_owned < T < n_owned
+        masked = self.cpu_ways and self.masked_share * n_owned < T < n_owned
         n = n_owned if masked else T  # the sum's rows: every owned row, or the touched ones in order
         self._acc = kept_rows(self._acc, n + 1, (width + 3,), torch.float32, self.device)
         self._radii = kept_rows(self._radii, n + 1, (), torch.float32, self.device)
@@ -73,7 +77,7 @@ class OwnerUpdate:
         for idx, piece in contributions:
             pos = idx if place is None else place.index_select(0, idx)
             acc.index_add_(0, pos, piece)
-            if self.device.type == "cpu":  # the largest radius gathered, compared and written back (a
+            if self.cpu_ways:  # the largest radius gathered, compared and written back (a
                 # contribution's rows are distinct but for the spare row, which is dropped): `index_reduce_`'s amax
                 # takes 6x as long on the CPU; on a GPU it is one kernel where this is three
                 radii.index_copy_(0, pos, torch.maximum(radii.index_select(0, pos), piece[:, width + 2]))
@@ -97,7 +101,8 @@ class OwnerUpdate:
                 # a sub and a square), written over `before`, the optimizer's kept copy (a new tensor the size of
                 # the rows costs its page faults); the first sum taken as it is (0 + x is x: a sum of squares is
                 # never -0.0), the masked update's rows selected once at the end (a row's additions are the same)
-                change = row_sums(torch.ops.aten.mse_loss.out(after, before, 0, out=before).flatten(1))
+                change = row_sums(torch.ops.aten.mse_loss.out(after, before, 0, out=before).flatten(1),
+                                  by_columns=self.cpu_ways)
                 delta = change.double() if delta is None else delta.add_(change)
         delta_sq = None
         if evidence:
@@ -134,12 +139,14 @@ class OwnerUpdate:
         state["radii"][rows] = torch.maximum(state["radii"][rows], radii)
 
 
-def row_sums(x: torch.Tensor) -> torch.Tensor:
+def row_sums(x: torch.Tensor, by_columns: Optional[bool] = None) -> torch.Tensor:
     """[N, k] -> [N]: `x.sum(dim=1)`, bit for bit for the evidence's squares (float32 or float64, no -0.0: a row of
     -0.0 sums to +0.0 in torch's sum and to -0.0 here). On the CPU a row of 2-4 columns is summed as the columns
     added in order, which is how torch's CPU sum adds so few (tested, `tests/test_owner_update.py`), at a fifth of
-    its cost (over [100k, 3], one thread: 0.09 against 0.42 ms: its loop over a row of 3 is the slow part)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or not 1 < x.shape[1] <= 4:
+    its cost (over [100k, 3], one thread: 0.09 against 0.42 ms: its loop over a row of 3 is the slow part).
+    `by_columns`: whether to add the columns so (default: on the CPU)."""
+    by_columns = x.device.type == "cpu" if by_columns is None else by_columns
+    if not by_columns or x.dtype not in (torch.float32, torch.float64) or not 1 < x.shape[1] <= 4:
         return x.sum(dim=1)
     out = torch.add(x[:, 0], x[:, 1])
     for j in range(2, x.shape[1]):
