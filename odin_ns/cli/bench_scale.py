@@ -4,23 +4,23 @@
                      [--policies odin-barrier,odin] [--ranks 2] [--device cpu] [--json FILE] [-- NS-TRAIN ARGS]
     odin-bench scale --ranks 1 --device cuda --sizes 1000000 --block-sizes 4096 --policies odin   # make gpu-check
 
-For each number of Gaussians and block size, 2 real ranks train the built-in city at a small resolution (64x48,
-densification off, so the count stays; SH degree 3 from step 3, so that every one of a row's 59 columns trains, as
-the floor's do: below degree 3 the update skips the coefficients that do not train) under each policy, one after the
-other in this invocation. From each run's odin_stats.json, per step and rank: render, update, bookkeeping, loop,
-planning and wait in ms (mean over the steps at degree 3 before the counted ones, from the one after the phase start
-the change to degree 3 makes: later phase starts included); the tensor operations the runtime's side of a step
-(validate and publish: all but the render) dispatches and the host syncs among them, counted on the last
-`--count-steps` steps (`runtime.op_count`: what a GPU pays per kernel launch and per stall, machine-independent);
-peak resident Gaussians per rank (its owned rows) as a share of the model, and its peak bytes (owned rows with
-Adam's moments and the most its message buffers held at once) as a share of one process's rows with moments. The
-floor: an Adam step over a rank's owned rows written as three in-place operations on one packed [rows, 59] tensor
-(the moments' two, the parameters' one), on one thread (as each of 2 ranks on 2 cores gets), timed in this same
-invocation; `torch.optim.Adam` over the six parameters is timed beside it. `--device cuda` trains the ranks on the
-GPU and times both floors there (one rank: NCCL takes a GPU per rank). The targets of the runtime at scale (its
-own work: update + bookkeeping + loop + planning, every step, at most 3x the floor; operations and syncs flat in the
-block count, syncs at most 2) are printed beside the figures. An owner's projections for its readers and their
-backward count as render.
+For each number of Gaussians and block size, real ranks (2, `--ranks`) train the built-in city at a small resolution
+(64x48, densification off, so the count stays; SH degree 3 from step 3, so that every one of a row's 59 columns
+trains, as the floor's do: below degree 3 the update skips the coefficients that do not train) under each policy,
+one after the other in this invocation. From each run's odin_stats.json, per step and rank: render, update,
+bookkeeping, loop, planning and wait in ms (mean over the steps at degree 3 before the counted ones, from the one
+after the phase start the change to degree 3 makes: later phase starts included); the tensor operations the
+runtime's side of a step (validate and publish: all but the render) dispatches and the host syncs among them,
+counted on the last `--count-steps` steps (`runtime.op_count`: what a GPU pays per kernel launch and per stall,
+machine-independent); peak resident Gaussians per rank (its owned rows) as a share of the model, and its peak bytes
+(owned rows with Adam's moments and the most its message buffers held at once) as a share of one process's rows with
+moments. The floor: an Adam step over a rank's owned rows written as three in-place operations on one packed [rows,
+59] tensor (the moments' two, the parameters' one), on one thread (as each of 2 ranks on 2 cores gets) or the GPU,
+timed in this same invocation; `torch.optim.Adam` over the six parameters is timed beside it. `--device cuda` trains
+the ranks on the GPU and times both floors there (one rank: NCCL takes a GPU per rank). The targets of the runtime
+at scale (its own work: update + bookkeeping + loop + planning, every step, at most 3x the floor; operations and
+syncs flat in the block count, syncs at most 2) are printed beside the figures. An owner's projections for its
+readers and their backward count as render.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _timed_ms(step, repeats: int, device: str) -> float:
 
 def adam_floor_ms(rows: int, repeats: int = 15, device: str = "cpu") -> float:
     """Median ms of one `torch.optim.Adam` step over `rows` Gaussians (the six parameters, 59 columns), one thread
-    (on CUDA its default, the fused or multi-tensor kernels)."""
+    (on CUDA its default, the multi-tensor kernels)."""
     import torch
 
     widths = (3, 3, 4, 3, 45, 1)
@@ -154,7 +154,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("odin: error: --ranks must be at least 1")
     count_from = args.steps - args.count_steps
     env = {"ODIN_NS_COUNT_OPS": f"{count_from}:{args.steps - 1}"}
-    device_args = ["--machine.device-type", "cuda"] if args.device == "cuda" else []
+    device_args = ["--machine.device-type", args.device]  # the methods take a GPU where there is one otherwise
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
