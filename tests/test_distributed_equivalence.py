@@ -202,7 +202,7 @@ def test_a_gaussian_pushed_outside_its_planned_bounds_is_added_to_the_read_set(r
     args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"]
     push = {"ODIN_NS_FAULT_PUSH": "8"}
     odin = runs.get(2, "odin", args + TINY_CITY, extra_env=push)
-    barrier = runs.get(2, "odin-barrier", args + TINY_CITY, extra_env=push)
+    barrier = runs.get(2, "odin-barrier", args + TINY_CITY, extra_env={**push, **NCCL_RECEIVES})  # NCCL's receives
     ref = runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "2"] + TINY_CITY, extra_env=push)
     assert_same_training(load(odin), load(ref))
     assert_same_training(load(barrier), load(ref))
@@ -210,3 +210,4 @@ def test_a_gaussian_pushed_outside_its_planned_bounds_is_added_to_the_read_set(r
         summary = stats(run)["summary"]
         assert summary["plan_violations"] >= 1 and summary["misses_handled"] >= 1, (run, summary)
         assert summary["read_set_misses"] == 0, (run, summary)
+    assert stats(barrier)["summary"]["receives_ahead"] == 0 < stats(barrier)["summary"]["receives"]

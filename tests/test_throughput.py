@@ -97,8 +97,11 @@ def test_a_block_that_leaves_its_bounds_reaches_the_reads_behind_too(runs):
     behind; the owners' exhaustive check finds nothing a view kept outside what it rendered."""
     args = FAST_TRAINING + ["--max-num-iterations", "14", "--pipeline.check-read-sets", "True"] + TINY_CITY
     # pushed from step 6: in this city's view order a view of step 8 renders the pushed Gaussian through a read
-    # behind (pushed from step 8, no view of the steps left sees it)
-    summary = stats(runs.get(2, "odin-throughput", args, extra_env={"ODIN_NS_FAULT_PUSH": "6"}))["summary"]
+    # behind (pushed from step 8, no view of the steps left sees it); the lane inline, each receive posted when its
+    # handler needs it (NCCL's receives)
+    summary = stats(runs.get(2, "odin-throughput", args, extra_env={"ODIN_NS_FAULT_PUSH": "6", **NCCL_RECEIVES}))[
+        "summary"]
+    assert summary["receives_ahead"] == 0 < summary["receives"]
     assert summary["stale_admitted"] > 0
     assert summary["plan_violations"] >= 1 and summary["misses_handled"] >= 1, summary
     assert summary["read_set_misses"] == 0, summary
