@@ -210,9 +210,8 @@ def print_table(rows: List[Dict], ranks: int = 2, device: str = "cpu") -> None:
           f"{TARGET_FLOOR_RATIO}x the Adam floor (an Adam step over a rank's owned rows as three in-place "
           "operations, one thread or the GPU, timed in this invocation; torch.optim.Adam in brackets); operations "
           "per step flat in the block count, host syncs at most 2; wall - render <= 25% at 200k Gaussians; resident "
-          "per rank: its "
-          "owned rows, as a share of the model / its peak bytes (owned rows with Adam's moments and the most its "
-          "message buffers held at once) as a share of one process's rows with moments.")
+          "per rank: its owned rows, as a share of the model / its peak bytes (owned rows with Adam's moments and "
+          "the most its message buffers held at once) as a share of one process's rows with moments.")
 
 
 if __name__ == "__main__":

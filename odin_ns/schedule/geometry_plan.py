@@ -43,7 +43,7 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     filled = counts > 0
     diag = float(torch.linalg.norm(hi[filled].amax(0) - lo[filled].amin(0))) or 1.0
     extent = [float(torch.linalg.norm(hi[b] - lo[b])) / diag if filled[b] else 0.0 for b in range(len(counts))]
-    gaussians = (mask.to(torch.float64) * counts.to(torch.float64)[None, :]).sum(dim=1).tolist()
+    gaussians = view_gaussians(mask, counts)
     return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=[pixels or width * height] * V,
                    block_counts=counts.tolist(), block_extent=extent, num_views=V,
                    visible=visible)

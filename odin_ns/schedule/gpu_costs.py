@@ -38,6 +38,7 @@ from odin_ns.schedule.actions import Action
 from odin_ns.schedule.links import Link
 from odin_ns.schedule.plan import PhasePlan
 from odin_ns.schedule.simulate import Costs
+from odin_ns.schedule.visibility import view_gaussians
 
 PARAM_BYTES = 4 * 59  # a publication's row: the six parameters at SH degree 3, float32
 GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the densification statistics
@@ -68,7 +69,7 @@ def rendered_gaussians(gpu: "GpuModel", gaussians_read: Sequence[float], counts:
     known, those in its image and `CULLED_SHARE` of each of the others."""
     if not gpu.in_view or visible is None:
         return [float(g) for g in gaussians_read]
-    seen = (visible.double() * torch.as_tensor(counts, dtype=torch.float64)).sum(dim=1).tolist()
+    seen = view_gaussians(visible, counts)
     return [min(s, float(g)) + CULLED_SHARE * max(float(g) - s, 0.0) for g, s in zip(gaussians_read, seen)]
 
 

@@ -62,5 +62,6 @@ def visible_gaussians(means: torch.Tensor, counts: torch.Tensor, cameras: Sequen
 
 
 def view_gaussians(share: torch.Tensor, counts: torch.Tensor) -> List[float]:
-    """Per view: the Gaussians in its image, from its `visible_share` of each block and the blocks' counts."""
+    """Per view: its share of each block's rows ([views, blocks]: a `visible_share`, the Gaussians in its image;
+    or a read mask, the Gaussians it reads) times the blocks' counts, summed."""
     return (share.double() * torch.as_tensor(counts).double()[None, :]).sum(dim=1).tolist()
