@@ -79,10 +79,14 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """What an owner holds of its projections for its readers between publishing their splats and its update:
     keep (the projection's graph: about three times the projected rows' parameters, more than the owned rows with
     their moments when every view reads most of them) or recompute (the splats only; the update projects again with a
-    graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: recompute
-    on several GPUs (a projection is a small part of a step there, memory what bounds the scene), keep on one GPU
+    graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: on several
+    GPUs, keep while the kept graphs hold at most --pipeline.projection-budget-mb (default a quarter of the GPU's
+    memory) and recompute beyond (small scenes at keep's speed, large ones at recompute's memory); keep on one GPU
     (plain training's cost) and on CPU ranks (the projection is about a third of a render there). Every choice
     gives the same model bit for bit."""
+    projection_budget_mb: Optional[float] = None
+    """--pipeline.projection-memory auto: the most MB an owner's kept projection graphs may hold (on any device;
+    unset: a quarter of the GPU's memory on several GPUs, no bound on one GPU and on CPU ranks)."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
@@ -115,6 +119,8 @@ def check_options(config: OdinPipelineConfig) -> None:
     if not 0.0 <= config.admit_overlap <= 1.0:
         raise OdinInputError(f"--pipeline.admit-overlap is a share of a view's Gaussians, in [0, 1] "
                              f"(got {config.admit_overlap})")
+    if config.projection_budget_mb is not None and not config.projection_budget_mb >= 0.0:
+        raise OdinInputError(f"--pipeline.projection-budget-mb must be 0 or more (got {config.projection_budget_mb})")
     if not config.admit_update >= 0.0:  # also refuses nan
         raise OdinInputError(f"--pipeline.admit-update must be 0 or more (got {config.admit_update})")
 
@@ -170,7 +176,8 @@ class OdinPipeline(VanillaPipeline):
                                      phase_length=config.phase_length, view_order=config.view_order,
                                      block_cut=config.block_cut, max_staleness=config.max_staleness,
                                      admit_overlap=config.admit_overlap, admit_update=config.admit_update,
-                                     lane=config.lane, projection_memory=config.projection_memory)
+                                     lane=config.lane, projection_memory=config.projection_memory,
+                                     projection_budget_mb=config.projection_budget_mb)
             if env.distributed and env.rank == 0:  # the viewer's Odin panel (rank 0 serves the viewer)
                 attach_panel(self, env.world_size, config.policy, self._colour_by_owner)
         self.viewer_model = None  # rank 0 of several: the viewer's copy of the model (see OdinModel.show_snapshot)

@@ -27,7 +27,10 @@ GAUSS = ["means", "scales", "quats", "features_dc", "features_rest", "opacities"
 SH = ["--pipeline.model.sh-degree-interval", "5"]  # SH degree 1 at step 5, 3 from step 15
 CITY = FAST_TRAINING + SH + ["--max-num-iterations", "32", "--pipeline.check-read-sets", "True"]
 KEEP = ["--steps-per-save", "7", "--save-only-latest-checkpoint", "False"]  # checkpoints at 7, 14, 21, 28, 31
-RECOMPUTE = ["--pipeline.projection-memory", "recompute"]  # the default on GPUs; keep is on CPU ranks
+RECOMPUTE = ["--pipeline.projection-memory", "recompute"]  # no projection keeps its graph
+# auto with a budget: the graphs kept until 1 MB (the city's first steps at 3 ranks, 0.3-0.9 MB a step), the
+# projections beyond made again at the update (its later ones, up to 4.8 MB a step): GPUs' default, on CPU ranks
+BUDGET = ["--pipeline.projection-budget-mb", "1"]
 NCCL_RECEIVES = {"ODIN_NS_RECEIVES_AHEAD": "0"}  # gloo posts each receive when it is needed, as NCCL does
 
 
@@ -81,10 +84,10 @@ def test_ranks_equal_one_process_on_city(runs, ranks):
     # checkpoints along the way (a gather of the whole model and its moments, a phase boundary) must not disturb
     # training: only the barrier run writes them
     barrier = city(runs, ranks, "odin-barrier", *KEEP)
-    # at 3 ranks the owners keep only their projections' splats and project again at the update, a pair at a
-    # time (the barrier keeps each projection's graph): the same model, less held; and, as on NCCL, each receive is
-    # posted when its handler needs it (the GPUs' path of the receives)
-    odin = city(runs, ranks, "odin", *(RECOMPUTE if ranks == 3 else ()), env=NCCL_RECEIVES if ranks == 3 else None)
+    # at 3 ranks the owners keep their projections' graphs within a budget and beyond it only their splats,
+    # projecting again at the update, a pair at a time (the barrier keeps each projection's graph): the same model,
+    # less held; and, as on NCCL, each receive is posted when its handler needs it (the GPUs' path of the receives)
+    odin = city(runs, ranks, "odin", *(BUDGET if ranks == 3 else ()), env=NCCL_RECEIVES if ranks == 3 else None)
     ref = load(city(runs, 1, "odin-barrier", micro_batch=ranks))
     dist = load(barrier)
     assert_sh_trained(ref)
@@ -99,9 +102,13 @@ def test_ranks_equal_one_process_on_city(runs, ranks):
         assert s["summary"]["receives_ahead"] >= s["summary"]["receives"] / 2 > 0, s["summary"]["receives"]
     if ranks == 3:
         assert odin_stats["summary"]["receives_ahead"] == 0 < odin_stats["summary"]["receives"]
-    if ranks == 3:  # the most held by projections: one pair's graph at the update against a whole step's
+    if ranks == 3:  # the most held by projections: within the budget, or one pair's graph at the update against
+        # a whole step's
         again, kept = (s["summary"]["peak_projection_bytes_per_rank"] for s in (odin_stats, barrier_stats))
         assert all(0 < a < 0.75 * k for a, k in zip(again, kept)), (again, kept)
+        summary = odin_stats["summary"]
+        assert summary["projections_kept"] > 0 and summary["projections_again"] > 0, "the budget chose one kind"
+        assert barrier_stats["summary"]["projections_again"] == 0  # CPU ranks' auto: every graph kept
     final = dist["pipeline"]["_model.gauss_params.means"].shape[0]
     assert final != 1500, "densification did not run within the compared steps"
     owned = barrier_stats["summary"]["peak_gaussians_owned"]

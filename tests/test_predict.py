@@ -220,25 +220,53 @@ def test_the_lanes_publications_carry_each_read_behind_once():
         assert lane != pytest.approx(now)
 
 
+def _pairs_plan():
+    """Blocks 0, 1 of rank 0 (100 and 40 rows), block 2 of rank 1 (70); a view of rank 1 reads blocks 0 and 1 at
+    step 1 (140 of rank 0's rows: its largest pair), the others read fewer; rank 1 projects 70 rows at step 0, 140
+    at step 1 (two views read block 2)."""
+    from odin_ns.schedule.plan import PhasePlan
+
+    return PhasePlan(start=0, stop=2, num_ranks=2, owner=[0, 0, 1], views=[[[0], [1]], [[2], [3]]],
+                     reads=[[[[0]], [[2]]], [[[2]], [[0, 1, 2]]]], counts=[100, 40, 70])
+
+
 def test_the_predicted_peak_holds_owned_rows_messages_and_the_largest_pair_graph():
     """A rank's predicted peak: its owned rows with Adam's moments, the step's messages, and the graph of the
     largest (view, its rows) pair it projects again at its update, at the step where their sum is largest."""
     from odin_ns.cli.bench_predict import GRAPH_ROW_BYTES, ROW_BYTES, peak_bytes
-    from odin_ns.schedule.plan import PhasePlan
 
     class NoMessages:  # prices every message at zero bytes: what is left is rows and graphs
         @staticmethod
         def message_bytes(rank, action):
             return 0.0
 
-    # blocks 0, 1 of rank 0 (100 and 40 rows), block 2 of rank 1 (70); a view of rank 1 reads blocks 0 and 1
-    # at step 1 (140 of rank 0's rows: its largest pair), the others read fewer
-    plan = PhasePlan(start=0, stop=2, num_ranks=2, owner=[0, 0, 1], views=[[[0], [1]], [[2], [3]]],
-                     reads=[[[[0]], [[2]]], [[[2]], [[0, 1, 2]]]], counts=[100, 40, 70])
+    plan = _pairs_plan()
     peak = peak_bytes([plan], NoMessages(), scale=2.0)
     assert peak[0] == 2.0 * (3 * ROW_BYTES * 140 + GRAPH_ROW_BYTES * 140)
     assert peak[1] == 2.0 * (3 * ROW_BYTES * 70 + GRAPH_ROW_BYTES * 70)
     # graphs kept from P to U: every pair of the step at once (step 0: rank 1's view reads block 2, step 1: two
     # views read it)
-    kept = peak_bytes([plan], NoMessages(), scale=2.0, projection_memory="keep")
+    kept = peak_bytes([plan], NoMessages(), scale=2.0, keep_budget=math.inf)
     assert kept[0] == peak[0] and kept[1] == 2.0 * (3 * ROW_BYTES * 70 + GRAPH_ROW_BYTES * 140)
+    # a budget between rank 1's two steps keeps step 0's graph (70 rows) and makes step 1's again (a pair at a time)
+    assert peak_bytes([plan], NoMessages(), scale=2.0, keep_budget=GRAPH_ROW_BYTES * 200.0) == peak
+
+
+def test_a_projection_made_again_is_priced_at_the_steps_whose_graphs_exceed_the_budget():
+    """The update of an owner adds `RECOMPUTE_SHARE` of a render per projected pair where its step's graphs would
+    hold more than the budget (--pipeline.projection-memory: 0 recompute, inf keep, auto between)."""
+    from odin_ns.runtime.projection_memory import GRAPH_ROW_BYTES
+    from odin_ns.schedule.gpu_costs import GPUS, RECOMPUTE_SHARE, gpu_costs
+    from odin_ns.schedule.links import link
+
+    plan, gpu = _pairs_plan(), GPUS["h200"]
+
+    def updates(budget):
+        costs = gpu_costs([plan], [1.0] * 4, [1.0] * 4, [100, 40, 70], 1.0, gpu, link("pcie"), data_path="splats",
+                          keep_budget=budget)
+        return [costs.measured(step, 1)[2] for step in (0, 1)]
+
+    kept, again, between = updates(math.inf), updates(0.0), updates(GRAPH_ROW_BYTES * 100.0)
+    extra = RECOMPUTE_SHARE * gpu.render_per_gaussian_s
+    assert again[0] - kept[0] == pytest.approx(extra * 70) and again[1] - kept[1] == pytest.approx(extra * 140)
+    assert between == [kept[0], again[1]]

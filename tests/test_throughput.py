@@ -52,6 +52,7 @@ def test_throughput_is_deterministic_bounded_and_not_odin(runs):
     b_out = city(runs, 2, "odin-throughput", *KEEP, "--pipeline.lane", "thread", *RECOMPUTE, env=NCCL_RECEIVES)
     a, b = load(a_out), load(b_out)
     assert stats(b_out)["summary"]["receives_ahead"] == 0 < stats(b_out)["summary"]["receives"]
+    assert stats(b_out)["summary"]["projections_kept"] == 0 < stats(b_out)["summary"]["projections_again"]
     assert_sh_trained(a)
     assert_same_training(a, b)
     run_stats = stats(a_out)
@@ -150,7 +151,8 @@ def test_zero_thresholds_equal_odin_bit_for_bit(runs):
 
 @pytest.mark.parametrize("option,value,words", [("max_staleness", -1, "0 or more"),
                                                 ("admit_overlap", 1.5, "in [0, 1]"),
-                                                ("admit_update", -0.1, "0 or more")])
+                                                ("admit_update", -0.1, "0 or more"),
+                                                ("projection_budget_mb", -1.0, "0 or more")])
 def test_bad_admission_options_are_refused_when_parsed(option, value, words):
     """What every rank's parse does (the dataclass check); the launched paths of such a flag are below and in
     test_launcher_errors (2 ranks)."""

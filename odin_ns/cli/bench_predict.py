@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -30,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from odin_ns.cli.bench import DEFAULT_FOX, SCENES
+from odin_ns.runtime.projection_memory import GRAPH_ROW_BYTES, keep_budget
 from odin_ns.schedule.gpu_costs import DATA_PATHS, GPUS, describe, gpu_costs, pair_rows
 from odin_ns.schedule.links import LINKS, link as link_named
 from odin_ns.schedule.policies import POLICIES
@@ -80,7 +82,7 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
                   gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "splats",
-                  projection_memory: str = "recompute") -> Dict:
+                  projection_memory: str = "auto") -> Dict:
     from odin_ns.cli.schedule import predictions
 
     preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
@@ -88,12 +90,13 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
     scale = target / max(sum(preview.block_counts), 1)
     plans = preview.policy_plans()
     stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
+    # one GPU keeps its graph (nothing to make room for, and plain training's cost); auto's budget on several is a
+    # share of the GPU model's memory, as the runtime's of the GPU it runs on
+    budget = keep_budget(projection_memory, None, GPUS[gpu].memory_bytes, ranks) if ranks > 1 else math.inf
     costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale, GPUS[gpu],
-                      link_named(link), preview.visible, data_path, stale_plans=stale,
-                      recompute=projection_memory == "recompute" and ranks > 1)
+                      link_named(link), preview.visible, data_path, stale_plans=stale, keep_budget=budget)
     pred = predictions(plans, costs)
-    # one GPU keeps its graph (auto's choice alone: nothing to make room for, and plain training's cost)
-    peak = peak_bytes(plans[BARRIER], costs, scale, projection_memory if ranks > 1 else "keep")
+    peak = peak_bytes(plans[BARRIER], costs, scale, budget)
     views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
@@ -104,20 +107,12 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
 
 
 ROW_BYTES = 4 * 59  # a Gaussian's packed parameters at SH degree 3 (Adam's two moments hold the same again twice)
-# What the graph of one projected row holds on a GPU while an owner back-propagates a pair's splat gradients
-# (`--pipeline.projection-memory recompute`, the default of several GPUs): its parameters' copy (the leaves, 59
-# floats), the SH coefficients gsplat's `spherical_harmonics` saves (16 x 3) and its directions (3), and what
-# `fully_fused_projection` saves beside its inputs (radii 2, conic 3, compensation 1): by reading gsplat's autograd
-# functions, not measured (no GPU here).
-GRAPH_ROW_BYTES = 4 * (59 + 48 + 3 + 6)
-
-
-def peak_bytes(plans, costs, scale: float, projection_memory: str = "recompute") -> List[float]:
+def peak_bytes(plans, costs, scale: float, keep_budget: float = 0.0) -> List[float]:
     """Per rank, the most bytes it holds at a step of the replay: its owned rows with Adam's two moments, plus the
-    step's messages it sends and receives (as the data path prices them), plus the graph of the largest pair
-    (reader's view, this rank's rows it reads) it projects again at its update, or with `projection_memory` keep
-    the graphs of every pair of the step, kept from P to U. On the splat path nothing else: no rank holds another
-    rank's rows."""
+    step's messages it sends and receives (as the data path prices them), plus the graphs of every pair (reader's
+    view, this rank's rows it reads) of the step, kept from P to U where they hold at most `keep_budget` bytes, else
+    the graph of the largest pair, which it projects again at its update. On the splat path nothing else: no rank
+    holds another rank's rows."""
     import torch
 
     R = plans[0].num_ranks
@@ -137,8 +132,8 @@ def peak_bytes(plans, costs, scale: float, projection_memory: str = "recompute")
         graph = {}  # step -> [ranks] the graphs an owner holds at its update
         for step in range(plan.start, plan.stop):
             rows = pair_rows(plan, step, counts)
-            held = rows.sum(0) if projection_memory == "keep" else rows.amax(0)  # every step renders views
-            graph[step] = GRAPH_ROW_BYTES * scale * held
+            kept = GRAPH_ROW_BYTES * scale * rows.sum(0)
+            graph[step] = torch.where(kept <= keep_budget, kept, GRAPH_ROW_BYTES * scale * rows.amax(0))
         for r in range(R):
             most = max((messages.get((step, r), 0.0) + float(graph[step][r]) for step in range(plan.start, plan.stop)),
                        default=0.0)
@@ -182,8 +177,9 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
                           f"({r['peak_bytes_per_rank'] / r['one_gpu_bytes']:.0%})")
     Console(width=180).print(table)
     print("peak GB/rank: the most a rank of odin-barrier holds at a step of the replay (owned rows with Adam's "
-          "moments, the step's messages, the graph of the largest pair it projects again at its update), and its "
-          "share of one GPU holding the whole model with its moments.")
+          "moments, the step's messages, the graphs of the step's projections it keeps until its update, or, beyond "
+          "the kept graphs' budget, the graph of the largest pair it projects again there), and its share of one GPU "
+          "holding the whole model with its moments.")
     if any(r["ranks"] == 1 for r in rows):
         print(f"vs 1 GPU: views/s over the same scene replayed on one rank; the recipe counts views, so this is the "
               f"speed-up in time to the same training. {PEERS}.")
@@ -242,10 +238,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--data-path", default="splats", choices=DATA_PATHS,
                     help="what the messages carry: splats (default: what the runtime moves, as gsplat's distributed "
                          "mode) or rows (parameter rows out, gradient rows back: the data path before splats)")
-    ap.add_argument("--projection-memory", default="recompute", choices=("recompute", "keep"),
+    ap.add_argument("--projection-memory", default="auto", choices=("auto", "recompute", "keep"),
                     help="what an owner holds of its projections until its update (--pipeline.projection-memory; "
-                         "recompute, the default of several GPUs, projects again at the update: priced in the "
-                         "update and one pair's graph in the peak; keep, one GPU's: every pair's graph in the peak)")
+                         "recompute projects again at the update: priced in the update and one pair's graph in the "
+                         "peak; keep: every pair's graph in the peak; auto, the default: keep while a step's graphs "
+                         "hold at most a quarter of the GPU's memory, recompute beyond; one GPU keeps)")
     ap.add_argument("--views", type=int, default=30000,
                     help="training views the time column counts (default splatfacto's 30000); with 1 among --ranks "
                          "every rank count is also compared with one GPU")

@@ -20,7 +20,7 @@ import functools
 import json
 import os
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from odin_ns.runtime.interpreter import Program, StepContext
 from odin_ns.runtime.lane import Lane, resolve_lane
 from odin_ns.runtime.lane_decisions import LaneDecisions
 from odin_ns.runtime.op_count import OpCounter
+from odin_ns.runtime.projection_memory import ProjectionMemory, device_memory, keep_budget
 from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.read_set_check import ReadSetCheck
 from odin_ns.runtime.sent_marks import SentMarks
@@ -60,7 +61,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
                  check_read_sets: bool = False, policy: str = "quality", phase_length: int = 25,
                  view_order: str = "odin", block_cut: str = "kd", max_staleness: int = 1,
                  admit_overlap: float = 1.0, admit_update: float = 0.0, lane: str = "auto",
-                 projection_memory: str = "auto"):
+                 projection_memory: str = "auto", projection_budget_mb: Optional[float] = None):
         self.env = env
         self.policy = POLICIES[policy]
         # reads may be behind (alone, every policy is plain training: nothing to be behind of)
@@ -70,8 +71,9 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         # throughput-first: where its communication lane runs (runtime/lane.py)
         self.lane_mode = resolve_lane(lane, torch.device(model.device).type)
         # what an owner holds of its projections until its update (runtime/splat_path.py)
-        self.recompute = projection_memory == "recompute" or (
-            projection_memory == "auto" and torch.device(model.device).type != "cpu" and env.world_size > 1)
+        self.projection_memory = ProjectionMemory(keep_budget(projection_memory, projection_budget_mb,
+                                                              device_memory(torch.device(model.device)),
+                                                              env.world_size))
         # inline lanes' probe: each rank's last step whose gradients it sent (runtime/sent_marks.py), made by every
         # rank at start-up (the start-up's collectives come before the first probe); none where no ranks really run
         # (a schedule's preview) and for the exact policies (no lane)
@@ -155,7 +157,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
         self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows, self.ops,
-                                recompute=self.recompute)
+                                memory=self.projection_memory)
         self.runtime.splats = self.splats
         self.plan = None
 
@@ -311,6 +313,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         # no rank holds another's rows
         record.resident_bytes = 3 * record.row_bytes * record.gaussians_owned + record.message_bytes
         record.projection_bytes = self.splats.take_kept_peak()
+        record.projections_kept, record.projections_again = self.projection_memory.take_counts()
         record.blocks_total = self.table.num_blocks
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0
         record.plan_violations, runtime.plan_violations = runtime.plan_violations, 0

@@ -5,9 +5,9 @@ The actions keep their meaning and their lists; what travels is splats:
   of its blocks for every read that takes version u: at the exact policies every view of step u+1 that reads them
   (its own views' and its readers'); at throughput-first also the reads of steps u+2 .. u+1+staleness that its
   readers admit behind at u, as the owner replays their decisions (`RankRuntime.decide_reads`: the same rule and
-  the same evidence the readers decide with). It keeps the projection's graph until the step's update, or, with
-  `recompute` (`--pipeline.projection-memory`), only the splats: U projects again with a graph, a pair at a time,
-  from the rows then current if the read took the version U follows (every read at the exact policies), else from
+  the same evidence the readers decide with). It keeps the projection's graph until the step's update, or, beyond
+  its budget (`runtime.projection_memory`), only the splats: U projects again with a graph, a pair at a time, from
+  the rows then current if the read took the version U follows (every read at the exact policies), else from
   a copy of the rows the read took (throughput-first's reads behind), and the same values come out;
 - P (owner -> reader, after update u): a header (per step of the publication's window and view of the reader: the
   splat count of the view if the read takes version u, else -1; then the view's splat count per block of the owner,
@@ -33,6 +33,7 @@ the splats and kept projections in flight.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -41,6 +42,7 @@ from odin_ns.render.splats import DEPTH, SPLAT_WIDTH
 from odin_ns.runtime.admission import evidence_to_wire
 from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.inbox import Inbox
+from odin_ns.runtime.projection_memory import ProjectionMemory
 from odin_ns.runtime.splat_reader import SplatReader, splats_for
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
@@ -68,12 +70,14 @@ class SplatPath(SplatReader):
     view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `packed_rows(rows)` the owned rows'
     current packed parameters; `runtime` the rank's `RankRuntime` (its plan, channels, evidence and decisions)."""
 
-    def __init__(self, runtime, model, num_rest: int, camera, packed_rows, ops, recompute: bool = False) -> None:
+    def __init__(self, runtime, model, num_rest: int, camera, packed_rows, ops,
+                 memory: Optional[ProjectionMemory] = None) -> None:
         self.runtime, self.model = runtime, model
         self.env, self.log, self.device = runtime.env, runtime.log, runtime.device
         self.ops = ops  # the runtime's operation count (odin-bench scale): an owner's projection is render work
         self.num_rest = num_rest
-        self.recompute = recompute  # keep only the splats of a projection; U projects again with a graph
+        # which projections keep their graph, which only their splats (U projects those again with a graph)
+        self.memory = memory if memory is not None else ProjectionMemory(math.inf)
         self.camera = camera
         self.packed_rows = packed_rows
         self.absgrad = bool(model.strategy.absgrad)
@@ -173,10 +177,13 @@ class SplatPath(SplatReader):
         keys = expand_ranges(self.global_start[block_ids], counts, total).to(self.device)
         cams = [self.camera(step, plan.rank_views(step, q)[j]) for q, j in pairs]
         packed, sh_degree = self.packed_rows(rows), self.model.sh_degree_at(step)
+        keep = self.memory.keep(self.kept_bytes, total)
         proj, pair_of_row = project_views(packed, self.num_rest, cams, per_pair, sh_degree, self.antialiased,
-                                          keep_graph=not self.recompute)
+                                          keep_graph=keep)
+        if keep:
+            self.memory.learn(total, proj.graph_bytes)
         # U follows update step-1: a read of that version projects again from the rows then current
-        again = (cams, sh_degree, None if update == step - 1 else packed) if self.recompute else None
+        again = None if keep else (cams, sh_degree, None if update == step - 1 else packed)
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
         mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
         n_mine = len(self.blocks_of[self.env.rank])  # each pair's visible splats per block of this rank (P's header)

@@ -57,6 +57,10 @@ class StepRecord:
     # reads; or, projected again at the update, the splats and one pair's graph; a read behind's copy of its rows):
     # not in resident_bytes, which counts what the targets name (parameters, moments, messages)
     projection_bytes: int = 0
+    # the owner's projections made in the step: with their graph kept, and with their splats only (made again at
+    # the update: `runtime.projection_memory`)
+    projections_kept: int = 0
+    projections_again: int = 0
     row_bytes: int = 0  # bytes of one Gaussian's packed parameters (one process holds 3x that per Gaussian with Adam)
     gaussians_owned: int = 0
     blocks_read: int = 0
@@ -90,6 +94,7 @@ class StepRecord:
             "receives": self.receives, "receives_ahead": self.receives_ahead,
             "message_bytes": self.message_bytes, "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
             "projection_bytes": self.projection_bytes,
+            "projections_kept": self.projections_kept, "projections_again": self.projections_again,
             "gaussians_owned": self.gaussians_owned,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from odin_ns.runtime.projection_memory import GRAPH_ROW_BYTES
 from odin_ns.schedule.actions import Action
 from odin_ns.schedule.links import Link
 from odin_ns.schedule.plan import PhasePlan
@@ -51,9 +52,9 @@ GRAD_BYTES = 4 * (59 + 3)  # a gradient row: the parameters' gradients and the d
 SPLAT_BYTES = 4 * (2 + 1 + 3 + 1 + 3 + 1)
 SPLAT_GRAD_BYTES = 4 * (2 + 3 + 1 + 3 + 1)
 DATA_PATHS = ("rows", "splats")
-# Several GPUs' default (`--pipeline.projection-memory recompute`) projects an owner's rows for its readers a
-# second time at its update, with a graph: priced at a tenth of a Gaussian's render per projected (view, Gaussian)
-# pair. An estimate, not measured here: fvdb-reality-capture's published garden benchmark projects in 0.46 ms of a
+# A projection made again (`--pipeline.projection-memory recompute`, and auto beyond its budget) projects an
+# owner's rows for its readers a second time at its update, with a graph: priced at a tenth of a Gaussian's render
+# per projected (view, Gaussian) pair. An estimate, not measured here: fvdb-reality-capture's published garden benchmark projects in 0.46 ms of a
 # 1.84 ms forward render, and a backward costs about twice a forward.
 RECOMPUTE_SHARE = 0.1
 # A Gaussian of the blocks a view reads that is out of its image, as a share of one in it: its projection's
@@ -96,6 +97,7 @@ class GpuModel:
     phase_s: float = 2e-3
     source: str = ""
     in_view: bool = False  # calibrated on Gaussians in the image: a view's render prices those (module docstring)
+    memory_bytes: float = 24 * 2 ** 30  # one GPU's memory (--pipeline.projection-memory auto's budget is a share)
 
 
 # The H200's 1.38 ns were per Gaussian of the renderer's benchmark scene at 1297x840, 93.6% of whose Gaussians are
@@ -104,8 +106,10 @@ H200_BENCH_SEEN = 0.936 + CULLED_SHARE * (1 - 0.936)
 
 GPUS: Dict[str, GpuModel] = {m.name: m for m in (
     GpuModel("published", 40.8e-3, 5.64e-9, 0.0, 0.8e-3, 3.3e-9,
-             source="gsplat's 30k-step Mip-NeRF 360 times (TITAN RTX): 42.6 ms + 8.94 ns/Gaussian per iteration"),
+             source="gsplat's 30k-step Mip-NeRF 360 times (TITAN RTX, 24 GB): 42.6 ms + 8.94 ns/Gaussian per "
+                    "iteration"),
     GpuModel("h200", 0.5e-3, 1.38e-9 / H200_BENCH_SEEN, 2.04e-9, 0.8e-3, 0.47e-9, in_view=True,
+             memory_bytes=139 * 2 ** 30,
              source="measured on one H200: gsplat forward+backward and fused Adam"),
 )}
 
@@ -113,7 +117,7 @@ GPUS: Dict[str, GpuModel] = {m.name: m for m in (
 def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
               counts: Sequence[int], scale: float, gpu: GpuModel, link: Link,
               visible: Optional[torch.Tensor] = None, data_path: str = "rows",
-              stale_plans: Optional[Sequence[PhasePlan]] = None, recompute: bool = True) -> Costs:
+              stale_plans: Optional[Sequence[PhasePlan]] = None, keep_budget: float = 0.0) -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
     plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
     rows of the owner's blocks its views see (a G per view: each view its share of the rank's rows of a block, by
@@ -128,9 +132,12 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     the later steps' reads the lists admit behind at u), every step (splats are per view: nothing stays at the
     reader), and a view's gradient message one splat gradient per pair of the view; the renders' costs are the
     same (the projection moves from the reader to the owner, the total does not change) and an owner's update adds
-    the projection made again at it with `recompute` (`RECOMPUTE_SHARE` of a render per projected pair: whole
-    blocks, every view that reads them). `stale_plans`: the same phases
-    under throughput-first, whose lists say which reads its lane's publications carry (without: current reads)."""
+    the projection made again at it (`RECOMPUTE_SHARE` of a render per projected pair: whole blocks, every view
+    that reads them) at the steps where the graphs of its step's projections (`GRAPH_ROW_BYTES` a projected row)
+    would hold more than `keep_budget` bytes (`--pipeline.projection-memory`: 0 recompute, inf keep, auto a share
+    of the GPU's memory; the runtime decides projection by projection, with those in flight). `stale_plans`: the
+    same phases under throughput-first, whose lists say which reads its lane's publications carry (without:
+    current reads)."""
     if data_path not in DATA_PATHS:
         raise ValueError(f"unknown data path {data_path!r} (choose from {', '.join(DATA_PATHS)})")
     count = torch.as_tensor(counts, dtype=torch.float64)
@@ -176,8 +183,9 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                         view_pairs[(step, r, j)] = count * share[v]
                     pairs = count * share[list(plan.rank_views(step, r))].sum(dim=0)  # (view, Gaussian) pairs
                     seen_rows[(step, r)] = pairs.clamp(max=count)
-            projected = pair_rows(plan, step, count).sum(0) if data_path == "splats" and recompute else \
+            projected = pair_rows(plan, step, count).sum(0) if data_path == "splats" else \
                 torch.zeros(plan.num_ranks, dtype=torch.float64)  # per owner, the pairs it projects
+            projected = projected * (GRAPH_ROW_BYTES * scale * projected > keep_budget)  # made again at U
             for r in range(plan.num_ranks):
                 views = tuple(plan.rank_views(step, r))
                 rows = scale * float(touched_rows[step][owner == r].sum())
