@@ -79,13 +79,13 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """What an owner holds of its projections for its readers between publishing their splats and its update:
     keep (the projection's graph: about three times the projected rows' parameters, more than the owned rows with
     their moments when every view reads most of them) or recompute (the splats only; the update projects again with a
-    graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: on several
-    GPUs, keep while the kept graphs hold at most --pipeline.projection-budget-mb (default a quarter of the GPU's
-    memory) and recompute beyond (small scenes at keep's speed, large ones at recompute's memory); keep on one GPU
-    (plain training's cost) and on CPU ranks (the projection is about a third of a render there). Every choice
-    gives the same model bit for bit."""
+    graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: keep while
+    the kept graphs hold about --pipeline.projection-budget-mb at most and recompute beyond (small scenes at keep's
+    speed, large ones at recompute's memory); unset, the budget is a quarter of the GPU's memory on several GPUs,
+    and none on one GPU (plain training's cost) and on CPU ranks (the projection is about a third of a render
+    there). Every choice gives the same model bit for bit."""
     projection_budget_mb: Optional[float] = None
-    """--pipeline.projection-memory auto: the most MB an owner's kept projection graphs may hold (on any device;
+    """--pipeline.projection-memory auto: about the most MB an owner's kept projection graphs hold (on any device;
     unset: a quarter of the GPU's memory on several GPUs, no bound on one GPU and on CPU ranks)."""
     check_read_sets: bool = False
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
@@ -121,6 +121,10 @@ def check_options(config: OdinPipelineConfig) -> None:
                              f"(got {config.admit_overlap})")
     if config.projection_budget_mb is not None and not config.projection_budget_mb >= 0.0:
         raise OdinInputError(f"--pipeline.projection-budget-mb must be 0 or more (got {config.projection_budget_mb})")
+    if config.projection_budget_mb is not None and config.projection_memory != "auto":
+        which = "every" if config.projection_memory == "keep" else "no"
+        raise OdinInputError(f"--pipeline.projection-budget-mb is auto's budget; --pipeline.projection-memory "
+                             f"{config.projection_memory} keeps {which} graph (leave one of the two out)")
     if not config.admit_update >= 0.0:  # also refuses nan
         raise OdinInputError(f"--pipeline.admit-update must be 0 or more (got {config.admit_update})")
 

@@ -248,8 +248,10 @@ def test_the_predicted_peak_holds_owned_rows_messages_and_the_largest_pair_graph
     # views read it)
     kept = peak_bytes([plan], NoMessages(), scale=2.0, keep_budget=math.inf)
     assert kept[0] == peak[0] and kept[1] == 2.0 * (3 * ROW_BYTES * 70 + GRAPH_ROW_BYTES * 140)
-    # a budget between rank 1's two steps keeps step 0's graph (70 rows) and makes step 1's again (a pair at a time)
-    assert peak_bytes([plan], NoMessages(), scale=2.0, keep_budget=GRAPH_ROW_BYTES * 200.0) == peak
+    # a budget keeps a step's graphs where they fit: rank 1's step 1 (two pairs of 70 rows, scale 2) at 280 rows'
+    # worth, not at 279 (there its largest pair's graph, as projecting again)
+    assert peak_bytes([plan], NoMessages(), scale=2.0, keep_budget=GRAPH_ROW_BYTES * 280.0) == kept
+    assert peak_bytes([plan], NoMessages(), scale=2.0, keep_budget=GRAPH_ROW_BYTES * 279.0) == peak
 
 
 def test_a_projection_made_again_is_priced_at_the_steps_whose_graphs_exceed_the_budget():

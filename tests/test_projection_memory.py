@@ -23,12 +23,15 @@ def test_the_modes_budgets():
 
 def test_graphs_are_kept_within_the_budget_priced_by_the_most_a_row_held():
     memory = ProjectionMemory(10 * GRAPH_ROW_BYTES)
-    assert memory.keep(0, 10)  # exactly the budget, at the prior
-    assert not memory.keep(1, 10)  # one byte over
-    memory.learn(4, 4 * 2 * GRAPH_ROW_BYTES)  # a kept projection held twice the prior a row
-    assert not memory.keep(0, 6) and memory.keep(0, 5)
-    memory.learn(5, 5)  # a smaller one does not lower the price
-    assert not memory.keep(0, 6)
-    assert memory.take_counts() == (2, 3) and memory.take_counts() == (0, 0)
-    assert not ProjectionMemory(0.0).keep(0, 0)  # recompute keeps no graph, even an empty one
-    assert ProjectionMemory(math.inf).keep(10 ** 12, 10 ** 12)
+    assert memory.keep(10)  # exactly the budget, at the prior
+    memory.kept_graph(4, 4 * 2 * GRAPH_ROW_BYTES)  # it held twice the prior a row: 8 rows' worth
+    assert not memory.keep(2) and memory.keep(1)  # 8 + 2 x 2 (the new price) over 10; 8 + 2 within
+    memory.release(4 * 2 * GRAPH_ROW_BYTES)
+    assert not memory.keep(6) and memory.keep(5)  # priced at 2 prior rows a row now
+    memory.kept_graph(5, 5)  # a smaller one does not lower the price
+    memory.release(5)
+    assert not memory.keep(6)
+    assert memory.take_counts() == (3, 3) and memory.take_counts() == (0, 0)
+    assert memory.held == 0
+    assert not ProjectionMemory(0.0).keep(0)  # recompute keeps no graph, even an empty one
+    assert ProjectionMemory(math.inf).keep(10 ** 12)

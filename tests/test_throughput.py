@@ -163,6 +163,16 @@ def test_bad_admission_options_are_refused_when_parsed(option, value, words):
         OdinPipelineConfig(**{option: value})
 
 
+def test_a_projection_budget_is_refused_beside_keep_or_recompute():
+    from odin_ns.errors import OdinInputError
+    from odin_ns.pipeline import OdinPipelineConfig
+
+    for mode in ("keep", "recompute"):
+        with pytest.raises(OdinInputError, match=r"--pipeline\.projection-budget-mb is auto's budget"):
+            OdinPipelineConfig(projection_memory=mode, projection_budget_mb=5.0)
+    assert OdinPipelineConfig(projection_budget_mb=5.0).projection_budget_mb == 5.0  # auto takes it
+
+
 def test_a_bad_admission_flag_fails_ns_train_in_one_line(tmp_path):
     flag = "--pipeline.admit-overlap"
     proc = subprocess.run([script("ns-train"), "odin-throughput", flag, "1.5", "--vis", "tensorboard",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -82,7 +81,7 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
                   gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "splats",
-                  projection_memory: str = "auto") -> Dict:
+                  projection_memory: str = "auto", projection_budget_mb: Optional[float] = None) -> Dict:
     from odin_ns.cli.schedule import predictions
 
     preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
@@ -90,9 +89,9 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
     scale = target / max(sum(preview.block_counts), 1)
     plans = preview.policy_plans()
     stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
-    # one GPU keeps its graph (nothing to make room for, and plain training's cost); auto's budget on several is a
-    # share of the GPU model's memory, as the runtime's of the GPU it runs on
-    budget = keep_budget(projection_memory, None, GPUS[gpu].memory_bytes, ranks) if ranks > 1 else math.inf
+    # auto's budget: a share of the GPU model's memory on several, as the runtime's of the GPU it runs on, none on
+    # one GPU (plain training's graphs)
+    budget = keep_budget(projection_memory, projection_budget_mb, GPUS[gpu].memory_bytes, ranks)
     costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale, GPUS[gpu],
                       link_named(link), preview.visible, data_path, stale_plans=stale, keep_budget=budget)
     pred = predictions(plans, costs)
@@ -243,6 +242,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "recompute projects again at the update: priced in the update and one pair's graph in the "
                          "peak; keep: every pair's graph in the peak; auto, the default: keep while a step's graphs "
                          "hold at most a quarter of the GPU's memory, recompute beyond; one GPU keeps)")
+    ap.add_argument("--projection-budget-mb", type=float, default=None,
+                    help="auto's budget of kept graphs per rank (--pipeline.projection-budget-mb)")
     ap.add_argument("--views", type=int, default=30000,
                     help="training views the time column counts (default splatfacto's 30000); with 1 among --ranks "
                          "every rank count is also compared with one GPU")
@@ -260,7 +261,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for s in scenes:
             print(f"odin-bench predict: {s}, {r} ranks, {args.steps} steps", flush=True)
             rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians,
-                                      args.micro_batch, args.data_path, args.projection_memory))
+                                      args.micro_batch, args.data_path, args.projection_memory,
+                                      args.projection_budget_mb))
     add_time_to_views(rows, args.views)
     print_rows(rows, args.gpu, args.link, args.views)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,14 @@ time, and it may change from one projection to the next:
   GPU's memory, or `--pipeline.projection-budget-mb`), and make again those beyond it: small scenes run at
   keep's speed, a scene that fills the GPUs at recompute's memory.
 A projection's graph is only known once it is made; the budget is checked before, with the most bytes a projected
-row's graph has held so far (a prior, `GRAPH_ROW_BYTES`, until the first is kept).
+row's graph has held so far (a prior, `GRAPH_ROW_BYTES`, until the first is kept), so it bounds the kept graphs
+to about the budget, not to the byte.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -51,28 +53,42 @@ def device_memory(device: torch.device) -> Optional[float]:
 
 
 class ProjectionMemory:
-    """Decides, projection by projection, whether its graph is kept (within `budget` bytes with those kept), and
-    counts both kinds (odin_stats.json)."""
+    """Decides, projection by projection, whether its graph is kept: while the graphs kept (their leaves and saved
+    tensors; the splats every projection keeps are not counted) and this one's, priced at the most a row's graph
+    has held so far, stay within `budget` bytes. The first graph is priced at the prior, so it may go over by what
+    the prior misses (a CPU projection's graph holds about twice a GPU's). Counts both kinds (odin_stats.json);
+    the lane's thread decides while the rank's own thread reads the counts, hence the lock."""
 
     def __init__(self, budget: float) -> None:
         self.budget = budget
         self.row_bytes = float(GRAPH_ROW_BYTES)  # the most a projected row's graph held so far
+        self.held = 0  # bytes of the graphs kept now
         self.kept = self.again = 0  # projections since the last `take_counts`
+        self._lock = threading.Lock()
 
-    def keep(self, held: int, rows: int) -> bool:
-        """Keep the graph of a projection of `rows` rows, with `held` bytes of graphs kept already?"""
-        keep = self.budget > 0 and held + rows * self.row_bytes <= self.budget
-        if keep:
-            self.kept += 1
-        else:
-            self.again += 1
-        return keep
+    def keep(self, rows: int) -> bool:
+        """Keep the graph of a projection of `rows` rows?"""
+        with self._lock:
+            keep = self.budget > 0 and self.held + rows * self.row_bytes <= self.budget
+            if keep:
+                self.kept += 1
+            else:
+                self.again += 1
+            return keep
 
-    def learn(self, rows: int, graph_bytes: int) -> None:
-        if rows:
-            self.row_bytes = max(self.row_bytes, graph_bytes / rows)
+    def kept_graph(self, rows: int, graph_bytes: int) -> None:
+        """A graph of `rows` rows kept, holding `graph_bytes`: counted until `release`, and its price learnt."""
+        with self._lock:
+            self.held += graph_bytes
+            if rows:
+                self.row_bytes = max(self.row_bytes, graph_bytes / rows)
+
+    def release(self, graph_bytes: int) -> None:
+        with self._lock:
+            self.held -= graph_bytes
 
     def take_counts(self) -> tuple:
-        counts = (self.kept, self.again)
-        self.kept = self.again = 0
-        return counts
+        with self._lock:
+            counts = (self.kept, self.again)
+            self.kept = self.again = 0
+            return counts

@@ -177,11 +177,11 @@ class SplatPath(SplatReader):
         keys = expand_ranges(self.global_start[block_ids], counts, total).to(self.device)
         cams = [self.camera(step, plan.rank_views(step, q)[j]) for q, j in pairs]
         packed, sh_degree = self.packed_rows(rows), self.model.sh_degree_at(step)
-        keep = self.memory.keep(self.kept_bytes, total)
+        keep = self.memory.keep(total)
         proj, pair_of_row = project_views(packed, self.num_rest, cams, per_pair, sh_degree, self.antialiased,
                                           keep_graph=keep)
         if keep:
-            self.memory.learn(total, proj.graph_bytes)
+            self.memory.kept_graph(total, proj.graph_bytes)
         # U follows update step-1: a read of that version projects again from the rows then current
         again = None if keep else (cams, sh_degree, None if update == step - 1 else packed)
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
@@ -267,7 +267,7 @@ class SplatPath(SplatReader):
         (owned row indices, rows); and the owned rows some view saw (ascending)."""
         me, rt = self.env.rank, self.runtime
         projections = self.steps.pop(step, [])
-        self.kept_bytes -= sum(_kept_bytes(sp) for sp in projections)
+        self._release(projections)
         where = {pair: sp for sp in projections for pair in sp.pairs}
         order = sorted(where)  # the reference order: rank, then view
         cols = self.grad_columns.shape[0]
@@ -330,6 +330,10 @@ class SplatPath(SplatReader):
                 out.update((pair, (sp.rows[a:b], part)) for pair, (a, b), part in zip(sp.pairs, sp.row_spans, parts))
         return [out[pair] for pair in order], self.touched.pop(step)
 
+    def _release(self, projections: Sequence[StepProjection]) -> None:
+        self.kept_bytes -= sum(_kept_bytes(sp) for sp in projections)
+        self.memory.release(sum(sp.proj.graph_bytes for sp in projections))
+
     def take_kept_peak(self) -> int:
         """The most the kept projections held since the last call."""
         peak, self.kept_peak = self.kept_peak, self.kept_bytes
@@ -339,7 +343,7 @@ class SplatPath(SplatReader):
         self.received.pop(step, None)
         self.grads_out.pop(step, None)
         self.own_grads.pop(step, None)
-        self.kept_bytes -= sum(_kept_bytes(sp) for sp in self.steps.pop(step, []))
+        self._release(self.steps.pop(step, []))
         self.marks.pop(step, None)
         self.touched.pop(step, None)
 
