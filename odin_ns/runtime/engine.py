@@ -42,7 +42,7 @@ from odin_ns.runtime.read_set_check import ReadSetCheck
 from odin_ns.runtime.sent_marks import SentMarks
 from odin_ns.runtime.splat_path import SplatPath
 from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, packed_rows
-from odin_ns.runtime.transport import RECORD_ENV
+from odin_ns.runtime.transport import RECORD_ENV, channels_group
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.runtime.whole_model import WholeModel
 from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
@@ -153,7 +153,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         if self.env.distributed and dist.is_initialized() and getattr(self, "p2p_group", None) is None:
             # collective: every rank makes it at start-up, in the same order (a preview, odin-schedule, has no
             # process group and never sends)
-            self.p2p_group = dist.new_group()
+            self.p2p_group = channels_group()
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
         self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows, self.ops,

@@ -71,6 +71,16 @@ def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cau
     return [g[:n].to(rows.device) for g, n in zip(gathered, counts)]
 
 
+def channels_group():
+    """The channels' process group (every rank, made by every rank at start-up in the same order), opened with one
+    collective of every rank on it: a step's first batch of messages involves only the ranks it messages, and
+    NCCL leaves a `batch_isend_irecv` that is its group's first collective call undefined unless every rank of the
+    group takes part (torch's note on `batch_isend_irecv`; its communicator is made lazily, by every rank)."""
+    group = dist.new_group()
+    dist.all_reduce(torch.zeros(1, device=comm_device()), group=group)
+    return group
+
+
 RECORD_ENV = "ODIN_NS_RECORD_MESSAGES"  # set: every message of the run is recorded (test of the action lists)
 # "0": on gloo too, every receive is posted when its handler needs it, as on NCCL (the tests run the GPUs' path of
 # the receives on CPU ranks)
