@@ -119,9 +119,11 @@ class OdinTrainer(Trainer):
             raise SystemExit(EXIT_INTERRUPTED)
         if self.recipe.units == "views":
             self._train_to_the_recipes_end()
+        if self.env.distributed and self.config.is_viewer_enabled():
+            self._refresh_viewer(self._start_step)  # the model it starts from, while no phase runs
         self._started = time.perf_counter()
-        self.engine.rules.end_step = self._start_step + self.config.max_num_iterations
-        self.engine.rules.save_every = self.config.steps_per_save
+        self.engine.rules.of_trainer(self.config, self._start_step, self.config.max_num_iterations,
+                                     self.env.distributed)
         super().train()
 
     def _train_to_the_recipes_end(self) -> None:
@@ -187,8 +189,8 @@ class OdinTrainer(Trainer):
         if self._stop_agreed(step):
             self._stopped_at, self.stop_training = step, True  # nerfstudio's loop ends before the next step
         refresh = self.config.pipeline.viewer_refresh_every
-        if self.env.distributed and self.config.is_viewer_enabled() and step % refresh == 0:
-            self._refresh_viewer(step)
+        if self.env.distributed and self.config.is_viewer_enabled() and step > 0 and step % refresh == 0:
+            self._refresh_viewer(step)  # a step that ends its phase (`PhaseRules.of_trainer`): nothing in flight
         return loss.detach(), {k: v.detach() for k, v in loss_dict.items()}, metrics_dict
 
     def _refresh_viewer(self, step: int) -> None:
@@ -214,7 +216,7 @@ class OdinTrainer(Trainer):
         if panel is not None:
             plan = self.engine.plan
             phase = (f"phase {self.engine.plans_made}: steps {plan.start}-{plan.stop - 1}" if plan is not None
-                     else f"phase {self.engine.plans_made} ended")
+                     else f"phase {self.engine.plans_made} ended" if self.engine.plans_made else "not started")
             panel.show(step, phase, shares)
 
     def _needs_full_model(self, step: int) -> bool:

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 from rich.console import Console
 from rich.table import Table
 
-from odin_ns.cli.bench import DEFAULT_FOX, SCENES
+from odin_ns.cli.bench import DEFAULT_FOX, QUIET_RUN, SCENES
 from odin_ns.runtime.projection_memory import GRAPH_ROW_BYTES, keep_budget
 from odin_ns.schedule.gpu_costs import DATA_PATHS, GPUS, describe, gpu_costs, pair_rows
 from odin_ns.schedule.links import LINKS, link as link_named
@@ -72,7 +72,9 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
         if not (DEFAULT_FOX / "transforms.json").exists():
             raise SystemExit(f"odin: error: the fox photos are not at {DEFAULT_FOX} (leave fox out of --scenes)")
         args = ["--data", str(DEFAULT_FOX)] + args
-    config = _method_config(["odin", "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
+    # a run as the benchmarks make them: no viewer and no evaluation, each of which gathers the whole model to
+    # rank 0 and so ends its phase on several ranks
+    config = _method_config(["odin", *QUIET_RUN, "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
                              str(64 if ranks > 4 else 256), "--pipeline.micro-batch", str(micro_batch)] + args)
     preview = build_preview(config, ranks, steps)
     preview.pixels = [SCENE_SIZE[scene][1]] * preview.num_views

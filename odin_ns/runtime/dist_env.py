@@ -34,6 +34,7 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     backend: str = "none"
+    timeout_s: float = DEFAULT_TIMEOUT_S  # of every collective and point-to-point operation (--pipeline.dist-timeout-s)
 
     @property
     def distributed(self) -> bool:
@@ -126,7 +127,7 @@ def init_distributed(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     """Join the existing process group, or start one from torchrun's environment, or run alone."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-        return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)), str(dist.get_backend()))
+        return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)), str(dist.get_backend()), timeout_s)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
@@ -145,4 +146,4 @@ def init_distributed(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     die_with_parent()
     install_termination_message(rank)
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    return DistEnv(rank, world, local_rank, backend)
+    return DistEnv(rank, world, local_rank, backend, timeout_s)

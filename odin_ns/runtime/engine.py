@@ -153,7 +153,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         if self.env.distributed and dist.is_initialized() and getattr(self, "p2p_group", None) is None:
             # collective: every rank makes it at start-up, in the same order (a preview, odin-schedule, has no
             # process group and never sends)
-            self.p2p_group = channels_group()
+            self.p2p_group = channels_group(self.env.timeout_s)
         self.runtime = RankRuntime(self.env, self.log, self.device, self.model, self.num_rest,
                                    admit_update=self.admit_update, p2p_group=getattr(self, "p2p_group", None))
         self.splats = SplatPath(self.runtime, self.model, self.num_rest, self._camera, self._owned_rows, self.ops,

@@ -31,6 +31,8 @@ import threading
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Tuple
 
+import torch
+
 from odin_ns.runtime.interpreter import ActionError, Program, StepContext, run_group
 from odin_ns.schedule.actions import Action
 
@@ -76,6 +78,8 @@ class Lane:
                 self._ready.add(step)
         self._next = 0  # inline: the first action of the list not run yet
         self._thread = None
+        # the rank's GPU: a new thread starts on the first (NCCL hangs where the current device is not the rank's)
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         if mode == "thread":
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
@@ -177,6 +181,8 @@ class Lane:
                 self._cond.notify_all()
 
     def _run(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         while not self.done and self.error is None:
             self._advance()
 

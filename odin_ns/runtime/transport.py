@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -71,12 +72,13 @@ def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cau
     return [g[:n].to(rows.device) for g, n in zip(gathered, counts)]
 
 
-def channels_group():
-    """The channels' process group (every rank, made by every rank at start-up in the same order), opened with one
-    collective of every rank on it: a step's first batch of messages involves only the ranks it messages, and
-    NCCL leaves a `batch_isend_irecv` that is its group's first collective call undefined unless every rank of the
-    group takes part (torch's note on `batch_isend_irecv`; its communicator is made lazily, by every rank)."""
-    group = dist.new_group()
+def channels_group(timeout_s: float):
+    """The channels' process group (every rank, made by every rank at start-up in the same order; its operations
+    time out as the default group's, `--pipeline.dist-timeout-s`, where a new group's default is torch's), opened
+    with one collective of every rank on it: a step's first batch of messages involves only the ranks it messages,
+    and NCCL leaves a `batch_isend_irecv` that is its group's first collective call undefined unless every rank of
+    the group takes part (torch's note on `batch_isend_irecv`; its communicator is made lazily, by every rank)."""
+    group = dist.new_group(timeout=timedelta(seconds=timeout_s))
     dist.all_reduce(torch.zeros(1, device=comm_device()), group=group)
     return group
 
@@ -138,23 +140,24 @@ class Channels:
             received += tensor.numel() * tensor.element_size()
         if not ops:
             return []
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # NCCL coalesces a batch, one operation too: its works complete together,
+            # sends and receives; never waited for on the host's behalf (a wait would hold the rank's stream until
+            # the peer takes the sends), kept until a later batch finds them done
             works = dist.batch_isend_irecv(ops)
-        else:  # gloo coalesces nothing: batch_isend_irecv would post each operation in turn, after checks that
-            # cost as much again as the posting (about 60 against 25 us for a send and a receive)
-            works = [op.op(op.tensor, op.peer, group=self.group) for op in ops]
-        self.log.add_traffic(sent, received, kind)
-        self.log.current.receives += len(recv_ops)
-        if ahead:
-            self.log.current.receives_ahead += len(recv_ops)
-        if len(works) != len(ops):  # NCCL coalesces a batch: its works complete together, sends and receives
             self._pending += [(work, [op.tensor for op in ops]) for work in works]
             posted = list(works) if recv_ops else []
-        else:  # gloo: one work per operation; a send's only completes when waited for (`runtime.send_reaper`)
+        else:  # gloo coalesces nothing: batch_isend_irecv would post each operation in turn, after checks that
+            # cost as much again as the posting (about 60 against 25 us for a send and a receive); one work per
+            # operation, a send's only complete when waited for (`runtime.send_reaper`)
+            works = [op.op(op.tensor, op.peer, group=self.group) for op in ops]
             for op, work in zip(ops, works):
                 if op.op is dist.isend:
                     self._reaper.add(op.peer, work, op.tensor)
             posted = [works[i] for i in recv_ops]
+        self.log.add_traffic(sent, received, kind)
+        self.log.current.receives += len(recv_ops)
+        if ahead:
+            self.log.current.receives_ahead += len(recv_ops)
         if wait:
             self.wait_for(posted, cause)
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]

@@ -33,8 +33,11 @@ NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
 @dataclass
 class PhaseRules:
     """What ends a phase. A refine step ends its phase, and so does a checkpoint step (every update applied before
-    it is saved), the end of training and the phase length (a longer phase inflates its read sets by a larger
-    motion bound); an SH degree change starts a phase. So no read is ever behind across a structural change."""
+    it is saved), a step after which the trainer gathers the whole model on several ranks (a viewer refresh, an
+    evaluation: a collective on the default group, which must not come between a pair's messages nor beside a
+    communication lane still sending), the end of training and the phase length (a longer phase inflates its read
+    sets by a larger motion bound); an SH degree change starts a phase. So no read is ever behind across a
+    structural change."""
 
     phase_length: int = 25
     refine_start_iter: int = 0
@@ -44,7 +47,8 @@ class PhaseRules:
     pause_refine_after_reset: int = 0
     sh_degree_interval: int = 0
     sh_degree: int = 0
-    save_every: int = 0  # the trainer's checkpoint interval (0: none inside the run)
+    # the trainer's intervals of checkpoints and, on several ranks, of whole-model gathers (from step 1)
+    whole_model_every: Tuple[int, ...] = ()
     end_step: Optional[int] = None  # no phase plans messages past the last step
 
     @classmethod
@@ -54,6 +58,17 @@ class PhaseRules:
                    refine_stop_iter=st.refine_stop_iter, refine_every=st.refine_every, reset_every=st.reset_every,
                    pause_refine_after_reset=st.pause_refine_after_reset, sh_degree_interval=cfg.sh_degree_interval,
                    sh_degree=cfg.sh_degree)
+
+    def of_trainer(self, config, first_step: int, steps: int, distributed: bool) -> None:
+        """The trainer's steps that end a phase (`config`: nerfstudio's TrainerConfig): its last, its checkpoints
+        and, on several ranks, its whole-model gathers (evaluations, and viewer refreshes where a viewer runs)."""
+        self.end_step = first_step + steps
+        every = [config.steps_per_save]
+        if distributed:
+            every += [config.steps_per_eval_image, config.steps_per_eval_batch, config.steps_per_eval_all_images]
+            if config.is_viewer_enabled():
+                every.append(config.pipeline.viewer_refresh_every)
+        self.whole_model_every = tuple(k for k in every if k)
 
     def is_refine_step(self, step: int) -> bool:
         """gsplat's DefaultStrategy schedule: grow/prune every refine_every, opacity reset every reset_every."""
@@ -76,7 +91,7 @@ class PhaseRules:
         for s in range(start, stop):
             if s > start and self.sh_degree_changes_at(s):
                 return s
-            if self.is_refine_step(s) or (self.save_every and s > 0 and s % self.save_every == 0):
+            if self.is_refine_step(s) or (s > 0 and any(s % k == 0 for k in self.whole_model_every)):
                 return s + 1
         return stop
 

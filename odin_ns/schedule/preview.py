@@ -92,9 +92,9 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
                              datamanager.config.train_cameras_sampling_seed,
                              lambda: view_gaussians(visible, table.count) if visible is not None else
                              visible_gaussians(blocked, table.count, projections))
-    # as a rank plans (the trainer sets the end and the checkpoint interval: a checkpoint step ends its phase)
+    # as a rank plans (the trainer sets the end, the checkpoints and whole-model gathers: each ends its phase)
     rules = PhaseRules.of_model(model, pipe.phase_length)
-    rules.end_step, rules.save_every = first_step + steps, config.steps_per_save
+    rules.of_trainer(config, first_step, steps, ranks > 1)
     policy = POLICIES[pipe.policy]  # the run's own lists (`policy_plans` gives every policy's)
     staleness = pipe.max_staleness if policy.stale_reads and ranks > 1 else 0
     planner = PhasePlanner(ranks, pipe.micro_batch, schedule, projections.__getitem__,

@@ -1,0 +1,69 @@
+"""What ends a phase at the trainer's steps (`PhaseRules.of_trainer`), and how the channels keep NCCL's batches.
+
+A whole-model gather (a viewer refresh, an evaluation) is a collective on the default group: on several ranks it
+must not run beside a phase's messages or a communication lane still sending, so its step ends the phase, as a
+checkpoint's does. The trainings that run through such steps are in test_viewer_panel (a refresh every 10 steps,
+throughput-first's lane on a thread) and test_nerfstudio_tools."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from odin_ns.runtime import transport
+from odin_ns.runtime.waits import WaitLog
+from odin_ns.schedule.phase_planner import PhaseRules
+
+
+def _trainer(viewer: bool, save=0, image=0, batch=0, all_images=0, refresh=50):
+    return SimpleNamespace(steps_per_save=save, steps_per_eval_image=image, steps_per_eval_batch=batch,
+                           steps_per_eval_all_images=all_images, is_viewer_enabled=lambda: viewer,
+                           pipeline=SimpleNamespace(viewer_refresh_every=refresh))
+
+
+def _stops(rules, start=0, until=60):
+    stops = []
+    while start < until:
+        start = rules.stop(start)
+        stops.append(start)
+    return stops
+
+
+def test_a_gather_of_the_whole_model_ends_its_phase_on_several_ranks():
+    rules = PhaseRules(phase_length=25)
+    rules.of_trainer(_trainer(True, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=True)
+    # evaluations at 7, 14, ..., refreshes at 10, 20, ..., the checkpoint at 40: each step ends its phase
+    assert _stops(rules) == [8, 11, 15, 21, 22, 29, 31, 36, 41, 43, 50, 51, 57, 60]
+    rules.of_trainer(_trainer(False, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=True)
+    assert _stops(rules) == [8, 15, 22, 29, 36, 41, 43, 50, 57, 60]  # no viewer: no refresh
+    rules.of_trainer(_trainer(True, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=False)
+    assert _stops(rules) == [25, 41, 60]  # one process gathers nothing: its checkpoints and the length alone
+
+
+class _Work:
+    def is_completed(self):
+        return False
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone (P2POp asks for a default group); gone after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_nccl_keeps_a_batch_of_one_send_and_never_waits_for_it(monkeypatch, one_rank_group):
+    """NCCL coalesces every batch into one work, a lone send's too: it stays with the channels until done, and no
+    thread waits for it (a wait would hold the rank's stream until the peer takes the send); gloo's sends go to
+    the reaper (its one work per operation)."""
+    batches = []
+    monkeypatch.setattr(transport.dist, "batch_isend_irecv", lambda ops: batches.append(ops) or [_Work()])
+    added = []
+    channels = transport.Channels(torch.device("cuda"), WaitLog(0))
+    monkeypatch.setattr(channels._reaper, "add", lambda *a: added.append(a))
+    sent = torch.ones(3)
+    assert channels.batch([(0, sent)], [], "transfer", kind="G") == []
+    assert len(batches) == 1 and len(channels._pending) == 1 and channels._pending[0][1][0] is sent
+    assert added == []
