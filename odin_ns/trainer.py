@@ -31,6 +31,7 @@ from odin_ns.recipe import apply_recipe, recipe_rows
 from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.stats_file import write_stats
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
+from odin_ns.schedule.phase_planner import eval_intervals
 from odin_ns.viewer_panel import panel_of, window_shares
 
 
@@ -220,9 +221,8 @@ class OdinTrainer(Trainer):
             panel.show(step, phase, shares)
 
     def _needs_full_model(self, step: int) -> bool:
-        c = self.config
-        return any(every and step_check(step, every) for every in
-                   (c.steps_per_eval_image, c.steps_per_eval_batch, c.steps_per_eval_all_images))
+        """An evaluation runs after this step (one that ends its phase: `PhaseRules.of_trainer`)."""
+        return any(step_check(step, every) for every in eval_intervals(self.config))
 
     def eval_iteration(self, step: int) -> None:
         if self.env.distributed:

@@ -16,10 +16,11 @@ from odin_ns.runtime.waits import WaitLog
 from odin_ns.schedule.phase_planner import PhaseRules
 
 
-def _trainer(viewer: bool, save=0, image=0, batch=0, all_images=0, refresh=50):
+def _trainer(viewer: bool, save=0, image=0, batch=0, all_images=0, refresh=50, logger=True):
     return SimpleNamespace(steps_per_save=save, steps_per_eval_image=image, steps_per_eval_batch=batch,
                            steps_per_eval_all_images=all_images, is_viewer_enabled=lambda: viewer,
-                           pipeline=SimpleNamespace(viewer_refresh_every=refresh))
+                           is_tensorboard_enabled=lambda: logger, is_wandb_enabled=lambda: False,
+                           is_comet_enabled=lambda: False, pipeline=SimpleNamespace(viewer_refresh_every=refresh))
 
 
 def _stops(rules, start=0, until=60):
@@ -37,8 +38,29 @@ def test_a_gather_of_the_whole_model_ends_its_phase_on_several_ranks():
     assert _stops(rules) == [8, 11, 15, 21, 22, 29, 31, 36, 41, 43, 50, 51, 57, 60]
     rules.of_trainer(_trainer(False, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=True)
     assert _stops(rules) == [8, 15, 22, 29, 36, 41, 43, 50, 57, 60]  # no viewer: no refresh
+    rules.of_trainer(_trainer(True, save=40, image=7, refresh=10, logger=False), first_step=0, steps=60,
+                     distributed=True)
+    assert _stops(rules) == [11, 21, 31, 41, 51, 60]  # no logger: nerfstudio evaluates nothing, nothing gathered
     rules.of_trainer(_trainer(True, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=False)
     assert _stops(rules) == [25, 41, 60]  # one process gathers nothing: its checkpoints and the length alone
+
+
+@pytest.mark.parametrize("first", [0, 37])
+def test_every_step_the_trainer_gathers_after_ends_its_phase(first):
+    """The trainer's own predicates (nerfstudio's `step_check` over the evaluations that run, the refresh's
+    condition) against the phases the rules cut, from the start and from a resumed step."""
+    from nerfstudio.utils.misc import step_check
+
+    from odin_ns.trainer import OdinTrainer
+
+    config = _trainer(True, save=12, image=5, batch=9, all_images=30, refresh=7)
+    trainer = SimpleNamespace(config=config)
+    rules = PhaseRules(phase_length=25, refine_stop_iter=0)
+    rules.of_trainer(config, first_step=first, steps=100, distributed=True)
+    stops = set(_stops(rules, first, first + 100))
+    gathers = [s for s in range(first, first + 100)
+               if OdinTrainer._needs_full_model(trainer, s) or (s > 0 and s % 7 == 0) or step_check(s, 12)]
+    assert len(gathers) > 20 and all(s + 1 in stops for s in gathers), sorted(set(gathers) - {s - 1 for s in stops})
 
 
 class _Work:

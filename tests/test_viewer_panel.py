@@ -155,7 +155,9 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
         driver.get(f"http://127.0.0.1:{port}/")
         wait_for(lambda: row_input(driver, "Colour by owning rank") is not None, "Odin panel in the page", alive)
         # the panel fills at every viewer refresh (every 10 steps here)
-        wait_for(lambda: (field(driver, "Rank 1") or "").startswith("render"), "figures in the panel", alive,
+        # (the refresh before the first step shows an empty window: "over 0 steps")
+        wait_for(lambda: (field(driver, "Rank 1") or "").startswith("render")
+                 and "over 0 steps" not in field(driver, "Rank 1"), "figures in the panel", alive,
                  lambda: panel_step(driver), within_steps=50)
         for label in ("Policy", "Phase", "Rank 0", "Rank 1", "Ranks", "Stale reads admitted"):
             assert field(driver, label) is not None, label

@@ -254,6 +254,9 @@ class RankRuntime(ReadAdmission):
         self.moved_rows = []
 
     def barrier(self) -> None:
+        """odin-barrier's B: every rank here before any goes on. On the default group, not the channels': the
+        step's publications are still in flight (taken at the next step's W), and on NCCL a collective on their
+        own communicator would queue behind those sends, which wait for receives posted after the barrier."""
         if self.channels is None:  # alone: nothing to wait for
             return
         with self.log.waiting("barrier"):

@@ -61,13 +61,9 @@ class PhaseRules:
 
     def of_trainer(self, config, first_step: int, steps: int, distributed: bool) -> None:
         """The trainer's steps that end a phase (`config`: nerfstudio's TrainerConfig): its last, its checkpoints
-        and, on several ranks, its whole-model gathers (evaluations, and viewer refreshes where a viewer runs)."""
+        and, on several ranks, its whole-model gathers (`gather_intervals`)."""
         self.end_step = first_step + steps
-        every = [config.steps_per_save]
-        if distributed:
-            every += [config.steps_per_eval_image, config.steps_per_eval_batch, config.steps_per_eval_all_images]
-            if config.is_viewer_enabled():
-                every.append(config.pipeline.viewer_refresh_every)
+        every = [config.steps_per_save] + (list(gather_intervals(config)) if distributed else [])
         self.whole_model_every = tuple(k for k in every if k)
 
     def is_refine_step(self, step: int) -> bool:
@@ -94,6 +90,22 @@ class PhaseRules:
             if self.is_refine_step(s) or (s > 0 and any(s % k == 0 for k in self.whole_model_every)):
                 return s + 1
         return stop
+
+
+def eval_intervals(config) -> Tuple[int, ...]:
+    """The steps between nerfstudio's evaluations (image, batch, all images) that run: only with a logger that
+    takes them (its `check_eval_enabled`); 0 never. On several ranks each gathers the whole model to rank 0."""
+    if not (config.is_wandb_enabled() or config.is_tensorboard_enabled() or config.is_comet_enabled()):
+        return ()
+    return tuple(k for k in (config.steps_per_eval_image, config.steps_per_eval_batch,
+                             config.steps_per_eval_all_images) if k)
+
+
+def gather_intervals(config) -> Tuple[int, ...]:
+    """The steps between the trainer's whole-model gathers on several ranks, from step 1: its evaluations and,
+    where a viewer runs, its refreshes (`--pipeline.viewer-refresh-every`; the first before the first step)."""
+    refresh = (config.pipeline.viewer_refresh_every,) if config.is_viewer_enabled() else ()
+    return eval_intervals(config) + refresh
 
 
 def view_read_masks(table, camera: Callable[[int], tuple], num_views: int) -> torch.Tensor:
