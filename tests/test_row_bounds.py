@@ -55,6 +55,7 @@ def test_table_decides_as_the_direct_comparisons_at_the_edges():
         got = table.blocks_outside(i, rows, means, log_scales_i)
         want = _direct(lo_i, hi_i, max_scale, motion, growth, row_block, i, rows, means, log_scales_i)
         assert got == want, (i, len(got), len(want), sorted(set(got) ^ set(want))[:5])
+        assert table.blocks_outside(i, None, means, log_scales_i) == want  # every row, as they lie
         assert 0.2 * B < len(want) < 0.95 * B, len(want)  # both sides of the edges were tried
 
 

@@ -196,7 +196,8 @@ class RankRuntime(ReadAdmission):
         new, sums = set(), None
         if rows.numel() and self.n_owned:  # the bounds check's host read brings the update's evidence back too
             params = self.model.gauss_params
-            outside, sums = self.bounds.check(plan.index(step), rows, params["means"].detach(),
+            every = not self.moved_rows and rows.shape[0] == self.n_owned  # the update's rows are unique
+            outside, sums = self.bounds.check(plan.index(step), None if every else rows, params["means"].detach(),
                                               params["scales"].detach(), also=self.pending_evidence())
             new = set(outside) - self.outside
         self.settle_evidence(sums)

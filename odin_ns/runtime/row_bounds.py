@@ -1,14 +1,15 @@
-"""The bounds a phase was planned with, as one table that a step's moved rows are tested against.
+"""The bounds a phase was planned with, as tables that a step's moved rows are tested against.
 
 A phase's read sets hold while every mean stays within `motion[i]` of its block's box (lo, hi) and every scale
 within exp(growth[i]) of its block's largest (`schedule.phase_planner.motion_bounds`). The owner tests the rows its
-update moved at every step, so the test is built once per phase: a row's nine bounds at step i are one gather and
-one comparison, [mean, -mean, -scales] >= [lo - motion, -(hi + motion), -scale bound (three times)]. It decides as
-the direct comparisons (mean >= lo - motion, mean <= hi + motion, the largest scale in float64 <= max_scale *
-exp(growth) in float64) do, bit for bit: negation is exact, the bounds are the same elementwise operations on the
-block table that the direct test makes on its gathered rows, the largest of three scales is within a bound exactly
-when all three are, and a float32 scale is at most a float64 bound exactly when it is at most the largest float32
-not above that bound. A NaN is outside either way. Twelve operations a step, one host read.
+update moved at every step, so the bounds are made once per phase, per step and block: lo - motion, hi + motion
+and the scale bound; a row's test is then a gather of its block's bounds and a comparison each. It decides as the
+direct comparisons (mean >= lo - motion, mean <= hi + motion, the largest scale in float64 <= max_scale *
+exp(growth) in float64) do, bit for bit: the bounds are the same elementwise operations on the block table that
+the direct test makes on its gathered rows, the largest of three scales is within a bound exactly when all three
+are, and a float32 scale is at most a float64 bound exactly when it is at most the largest float32 not above that
+bound. A NaN is outside either way. When the moved rows are every owned row (a step whose views see the whole
+share), the rows are taken as they lie, without gathering them. One host read a step.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ class RowBounds:
         scale32 = scale.float()  # the nearest float32; one step down where it lies above the float64 bound
         scale32 = torch.where(scale32.double() > scale, torch.nextafter(scale32, scale32.new_tensor(-math.inf)),
                               scale32)
-        # [steps, blocks, 9]; `lo - motion` as the direct test computes it (a float32 tensor and a Python float)
-        self.table = torch.cat([lo[None] - motion_t.float(), -(hi[None] + motion_t.float()),
-                                -scale32[..., None].expand(-1, -1, 3)], dim=2).contiguous()
-        self.sign = torch.tensor([1.0] * 3 + [-1.0] * 6, device=lo.device)
+        # [steps, blocks, 3] and [steps, blocks]; `lo - motion` as the direct test computes it (a float32 tensor
+        # and a Python float)
+        self.lo = (lo[None] - motion_t.float()).contiguous()
+        self.hi = (hi[None] + motion_t.float()).contiguous()
+        self.scale = scale32.contiguous()
         self.row_block = row_block
 
     def blocks_outside(self, i: int, rows: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> List[int]:
@@ -41,14 +43,19 @@ class RowBounds:
         outside the bounds; one host read."""
         return self.check(i, rows, means, log_scales)[0]
 
-    def check(self, i: int, rows: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor,
+    def check(self, i: int, rows: Optional[torch.Tensor], means: torch.Tensor, log_scales: torch.Tensor,
               also: Optional[torch.Tensor] = None) -> Tuple[List[int], Optional[List[float]]]:
-        """`blocks_outside`, whose one host read also brings back `also` (float64 values on the same device:
-        throughput-first's evidence), with its values (None without)."""
-        blocks = self.row_block.index_select(0, rows)
-        m = means.index_select(0, rows)
-        scales = log_scales.index_select(0, rows).exp_()
-        ok = torch.cat([m, m, scales], dim=1).mul_(self.sign) >= self.table[i].index_select(0, blocks)
+        """`blocks_outside` (`rows` None: every owned row, as they lie), whose one host read also brings back
+        `also` (float64 values on the same device: throughput-first's evidence), with its values (None without)."""
+        if rows is None:
+            blocks, m, scales = self.row_block, means, log_scales.exp()
+        else:
+            blocks = self.row_block.index_select(0, rows)
+            m = means.index_select(0, rows)
+            scales = log_scales.index_select(0, rows).exp_()
+        ok = (m >= self.lo[i].index_select(0, blocks)).all(dim=1)
+        ok &= (m <= self.hi[i].index_select(0, blocks)).all(dim=1)
+        ok &= scales.amax(dim=1) <= self.scale[i].index_select(0, blocks)
         if also is None:
             inside, values = bool(ok.all()), None
         else:
@@ -56,4 +63,4 @@ class RowBounds:
             inside, values = read[0] == 1.0, read[1:]
         if inside:
             return [], values
-        return sorted(set(blocks[~ok.all(dim=1)].tolist())), values
+        return sorted(set(blocks[~ok].tolist())), values
