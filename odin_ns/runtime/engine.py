@@ -41,7 +41,7 @@ from odin_ns.runtime.rank_runtime import RankRuntime
 from odin_ns.runtime.read_set_check import ReadSetCheck
 from odin_ns.runtime.sent_marks import SentMarks
 from odin_ns.runtime.splat_path import SplatPath
-from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, packed_rows
+from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, gathered_rows
 from odin_ns.runtime.transport import RECORD_ENV, channels_group
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.runtime.whole_model import WholeModel
@@ -210,7 +210,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         path.write_text(json.dumps({"programs": self.recorder, "messages": self.runtime.channels.record}))
 
     def _owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return packed_rows(self.model.gauss_params, rows)
+        return gathered_rows(self.model.gauss_params, rows)
 
     def _camera(self, step: int, view: int) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
         """A training view's camera at the resolution step `step` renders with: (viewmat [4, 4], K [3, 3], W, H)."""

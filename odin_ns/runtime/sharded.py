@@ -39,9 +39,10 @@ def pack_params(params: Dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([params[name].detach().flatten(1) for name in PARAM_NAMES], dim=1)
 
 
-def packed_rows(params: Dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """[len(rows), D] packed values of these rows of the six parameters (a copy)."""
-    return torch.cat([params[name].detach().flatten(1).index_select(0, rows) for name in PARAM_NAMES], dim=1)
+def gathered_rows(params: Dict[str, torch.Tensor], rows: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """These rows of the six parameters, each gathered (a copy: an owner projects from it, the projection's leaves,
+    where packing them first and copying them into leaves made two copies more)."""
+    return {name: params[name].detach().index_select(0, rows) for name in PARAM_NAMES}
 
 
 def unpack_params(rows: torch.Tensor, num_rest: int) -> Dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ from odin_ns.runtime.admission import evidence_to_wire
 from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.inbox import Inbox
 from odin_ns.runtime.projection_memory import ProjectionMemory
+from odin_ns.runtime.sharded import param_widths
 from odin_ns.runtime.splat_reader import SplatReader, splats_for
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
@@ -67,10 +68,11 @@ class StepProjection(NamedTuple):
 
 class SplatPath(SplatReader):
     """The splat messages and projections of one rank (see the module docstring). `camera(step, view)` gives a
-    view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `packed_rows(rows)` the owned rows'
-    current packed parameters; `runtime` the rank's `RankRuntime` (its plan, channels, evidence and decisions)."""
+    view's (viewmat [4, 4], K [3, 3], width, height) at a step's resolution; `owned_rows(rows)` the six parameters
+    of these owned rows as they are now, gathered (a copy each: a projection's leaves); `runtime` the rank's
+    `RankRuntime` (its plan, channels, evidence and decisions)."""
 
-    def __init__(self, runtime, model, num_rest: int, camera, packed_rows, ops,
+    def __init__(self, runtime, model, num_rest: int, camera, owned_rows, ops,
                  memory: Optional[ProjectionMemory] = None) -> None:
         self.runtime, self.model = runtime, model
         self.env, self.log, self.device = runtime.env, runtime.log, runtime.device
@@ -79,7 +81,8 @@ class SplatPath(SplatReader):
         # which projections keep their graph, which only their splats (U projects those again with a graph)
         self.memory = memory if memory is not None else ProjectionMemory(math.inf)
         self.camera = camera
-        self.packed_rows = packed_rows
+        self.owned_rows = owned_rows
+        self.width = sum(param_widths(num_rest).values())  # a row's packed parameters
         self.absgrad = bool(model.strategy.absgrad)
         self.antialiased = model.config.rasterize_mode == "antialiased"
         # the splat columns whose gradient travels back: the depth's only when the render uses it (expected depth)
@@ -176,14 +179,14 @@ class SplatPath(SplatReader):
         rows = expand_ranges(self.home_start[block_ids], counts, total).to(self.device)
         keys = expand_ranges(self.global_start[block_ids], counts, total).to(self.device)
         cams = [self.camera(step, plan.rank_views(step, q)[j]) for q, j in pairs]
-        packed, sh_degree = self.packed_rows(rows), self.model.sh_degree_at(step)
+        taken, sh_degree = self.owned_rows(rows), self.model.sh_degree_at(step)
         keep = self.memory.keep(total)
-        proj, pair_of_row = project_views(packed, self.num_rest, cams, per_pair, sh_degree, self.antialiased,
+        proj, pair_of_row = project_views(taken, self.num_rest, cams, per_pair, sh_degree, self.antialiased,
                                           keep_graph=keep)
         if keep:
             self.memory.kept_graph(total, proj.graph_bytes)
         # U follows update step-1: a read of that version projects again from the rows then current
-        again = None if keep else (cams, sh_degree, None if update == step - 1 else packed)
+        again = None if keep else (cams, sh_degree, None if update == step - 1 else taken)
         starts = [sum(per_pair[:k]) for k in range(len(pairs))]
         mark = self._mark(step).index_fill_(0, rows.index_select(0, proj.ids), 1)
         n_mine = len(self.blocks_of[self.env.rank])  # each pair's visible splats per block of this rank (P's header)
@@ -208,13 +211,14 @@ class SplatPath(SplatReader):
         """U's backward of a projection kept without its graph: each pair's rows projected again, with a graph,
         and back-propagated at once (a pair's graph at a time: a row's projection and its gradient do not depend on
         which rows share the call): per pair, the contribution a kept graph gives its rows."""
-        cams, sh_degree, packed = sp.again
+        cams, sh_degree, taken = sp.again
         parts = []
         for k, ((a, b), (sa, sb)) in enumerate(zip(sp.row_spans, sp.splat_spans)):
-            rows = self.packed_rows(sp.rows[a:b]) if packed is None else packed[a:b]
             if b == a:  # a view that reads none of this rank's rows
-                parts.append(rows.new_zeros((0, rows.shape[1] + 3)))
+                parts.append(grads.new_zeros((0, self.width + 3)))
                 continue
+            # the rows as the read took them (a copy, the leaves), or as they are now
+            rows = self.owned_rows(sp.rows[a:b]) if taken is None else {n: t[a:b].clone() for n, t in taken.items()}
             proj, _ = project_views(rows, self.num_rest, cams[k:k + 1], [b - a], sh_degree, self.antialiased)
             if proj.splats.shape[0] != sb - sa:
                 raise RuntimeError(f"a projection of version {sp.update} made again at its update has "
@@ -351,6 +355,6 @@ class SplatPath(SplatReader):
 def _kept_bytes(sp: StepProjection) -> int:
     """What a kept projection holds until its update, in bytes: its graph (leaves and saved tensors) or the copy
     of the rows it was made from, its splats, radii and keys."""
-    copy = sp.again[2] if sp.again is not None and sp.again[2] is not None else None
-    held = [sp.proj.splats, sp.proj.radii, sp.keys] + ([copy] if copy is not None else [])
+    copy = sp.again[2] if sp.again is not None and sp.again[2] is not None else {}
+    held = [sp.proj.splats, sp.proj.radii, sp.keys] + list(copy.values())
     return sp.proj.graph_bytes + sum(t.numel() * t.element_size() for t in held)

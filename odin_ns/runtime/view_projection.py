@@ -15,7 +15,7 @@ scaled by half the image size, visible 0/1, the radius over the larger image sid
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -35,10 +35,14 @@ class ViewProjection(NamedTuple):
     graph_bytes: int  # what the graph holds: its leaves and the tensors its backward reads (distinct storages)
 
 
-def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree: Optional[int],
+Rows = Union[torch.Tensor, Dict[str, torch.Tensor]]
+
+
+def project_rows(rows: Rows, num_rest: int, cams: RowCameras, sh_degree: Optional[int],
                  antialiased: bool, keep_graph: bool = True) -> ViewProjection:
-    """Project packed rows [M, D] (a copy is made: the leaves), each in its camera (one for all rows, or one per
-    row: an owner projects for every view that reads its blocks at a step in one call)."""
+    """Project rows, each in its camera (one for all rows, or one per row: an owner projects for every view that
+    reads its blocks at a step in one call): packed rows [M, D] (a copy is made: the leaves), or the six
+    parameters' rows as the caller gathered them for this projection (they become the leaves: no copy)."""
     with _graph(keep_graph) as held:
         leaves = _leaves(rows, num_rest, keep_graph)
         ids, radii, splats = _project(leaves, cams, sh_degree, antialiased)
@@ -46,9 +50,15 @@ def project_rows(rows: torch.Tensor, num_rest: int, cams: RowCameras, sh_degree:
                           held.total(leaves) if keep_graph else 0)
 
 
-def _leaves(rows: torch.Tensor, num_rest: int, keep_graph: bool = True) -> Dict[str, torch.Tensor]:
+def _leaves(rows: Rows, num_rest: int, keep_graph: bool = True) -> Dict[str, torch.Tensor]:
+    if isinstance(rows, dict):  # gathered for this projection, the caller's to give
+        return {n: rows[n].requires_grad_() for n in PARAM_NAMES} if keep_graph else rows
     params = unpack_params(rows, num_rest)
     return {n: t.clone().requires_grad_() for n, t in params.items()} if keep_graph else params
+
+
+def rows_device(rows: Rows) -> torch.device:
+    return rows["means"].device if isinstance(rows, dict) else rows.device
 
 
 class _Held:
@@ -88,15 +98,16 @@ def _project(params: Dict[str, torch.Tensor], cams: RowCameras, sh_degree: Optio
                           sh_degree, antialiased)
 
 
-def project_views(packed: torch.Tensor, num_rest: int, cams: Sequence[tuple], per_view: Sequence[int],
+def project_views(packed: Rows, num_rest: int, cams: Sequence[tuple], per_view: Sequence[int],
                   sh_degree: Optional[int], antialiased: bool, per_call: Optional[bool] = None,
                   keep_graph: bool = True) -> Tuple[ViewProjection, torch.Tensor]:
-    """Project packed rows [M, D] that are consecutive runs of `per_view[k]` rows, each run in camera `cams[k]`
-    ((viewmat [4, 4], K [3, 3], W, H)), as one projection; and each row's run. On the CPU one call with a camera
-    per row; on CUDA (or with `per_call`) gsplat's kernels take one camera for all rows: one call per view, on
-    slices of the same leaves (so every parameter's gradient reaches them), concatenated. `keep_graph=False`:
-    the splats only (the same values), for a projection made again with its graph before its backward."""
-    device = packed.device
+    """Project rows (`project_rows`'s two forms) that are consecutive runs of `per_view[k]` rows, each run in
+    camera `cams[k]` ((viewmat [4, 4], K [3, 3], W, H)), as one projection; and each row's run. On the CPU one
+    call with a camera per row; on CUDA (or with `per_call`) gsplat's kernels take one camera for all rows: one call
+    per view, on slices of the same leaves (so every parameter's gradient reaches them), concatenated.
+    `keep_graph=False`: the splats only (the same values), for a projection made again with its graph before its
+    backward."""
+    device = rows_device(packed)
     total = sum(per_view)
     run_of_row = torch.repeat_interleave(torch.arange(len(per_view)), torch.tensor(list(per_view), dtype=torch.int64),
                                          output_size=total).to(device)
