@@ -82,8 +82,8 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     graph, from the current rows, or from a copy of the rows a throughput-first read behind took). auto: keep while
     the kept graphs hold about --pipeline.projection-budget-mb at most and recompute beyond (small scenes at keep's
     speed, large ones at recompute's memory); unset, the budget is a quarter of the GPU's memory on several GPUs,
-    and none on one GPU (plain training's cost) and on CPU ranks (the projection is about a third of a render
-    there). Every choice gives the same model bit for bit."""
+    and no bound (every graph kept) on one GPU (plain training's cost) and on CPU ranks (the projection is about a
+    third of a render there). Every choice gives the same model bit for bit."""
     projection_budget_mb: Optional[float] = None
     """--pipeline.projection-memory auto: about the most MB an owner's kept projection graphs hold (on any device;
     unset: a quarter of the GPU's memory on several GPUs, no bound on one GPU and on CPU ranks)."""

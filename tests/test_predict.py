@@ -232,7 +232,8 @@ def _pairs_plan():
 
 def test_the_predicted_peak_holds_owned_rows_messages_and_the_largest_pair_graph():
     """A rank's predicted peak: its owned rows with Adam's moments, the step's messages, and the graph of the
-    largest (view, its rows) pair it projects again at its update, at the step where their sum is largest."""
+    largest (view, its rows) pair it projects again at its update, at the step where their sum is largest (no
+    budget); every pair's graph of a step whose graphs fit the budget."""
     from odin_ns.cli.bench_predict import GRAPH_ROW_BYTES, ROW_BYTES, peak_bytes
 
     class NoMessages:  # prices every message at zero bytes: what is left is rows and graphs

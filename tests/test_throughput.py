@@ -48,7 +48,8 @@ def test_throughput_is_deterministic_bounded_and_not_odin(runs):
     # the same run again, its communication lane on a thread beside the renders instead of inline (the default on
     # CPU ranks): other timings and another order of work, the same versions read, the same model; and the owners
     # keep only their projections' splats, projecting again at the update (reads behind from a copy of the rows
-    # they took), each receive posted when its handler needs it (the GPUs' defaults, NCCL's receives)
+    # they took: what auto does on GPUs beyond its budget), each receive posted when its handler needs it (the
+    # GPUs' lane, NCCL's receives)
     b_out = city(runs, 2, "odin-throughput", *KEEP, "--pipeline.lane", "thread", *RECOMPUTE, env=NCCL_RECEIVES)
     a, b = load(a_out), load(b_out)
     assert stats(b_out)["summary"]["receives_ahead"] == 0 < stats(b_out)["summary"]["receives"]

@@ -259,9 +259,9 @@ def print_table(rows: List[Dict], title: str) -> None:
           "rank holds another's rows), then its peak bytes (owned rows with Adam's moments, the most its message "
           "buffers held at once) and their share of one process's (every row with Adam's moments), in brackets the "
           "MB its projections for its readers held at most (their graphs; with --pipeline.projection-memory "
-          "recompute their splats and a pair's graph at the update). 'stale/refused': block reads admitted behind "
-          "the newest version, and refused (waited for). 'replayed wall': the wall the replay of the run's own "
-          "lists with its measured costs predicts (odin-schedule --costs), and its error.")
+          "recompute, or auto beyond its budget, their splats and a pair's graph at the update). 'stale/refused': "
+          "block reads admitted behind the newest version, and refused (waited for). 'replayed wall': the wall the "
+          "replay of the run's own lists with its measured costs predicts (odin-schedule --costs), and its error.")
 
 
 def train_main(argv: List[str]) -> int:

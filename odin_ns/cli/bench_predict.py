@@ -243,7 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="what an owner holds of its projections until its update (--pipeline.projection-memory; "
                          "recompute projects again at the update: priced in the update and one pair's graph in the "
                          "peak; keep: every pair's graph in the peak; auto, the default: keep while a step's graphs "
-                         "hold at most a quarter of the GPU's memory, recompute beyond; one GPU keeps)")
+                         "hold at most a quarter of the GPU's memory (or --projection-budget-mb, at one rank too), "
+                         "recompute beyond; one GPU keeps)")
     ap.add_argument("--projection-budget-mb", type=float, default=None,
                     help="auto's budget of kept graphs per rank (--pipeline.projection-budget-mb)")
     ap.add_argument("--views", type=int, default=30000,

@@ -99,9 +99,9 @@ class Channels:
     `batch(..., wait=False)` only posts the receives (`wait_for` them later; before they are needed only where
     `posts_ahead` allows it).
 
-    The channels have a process group of their own (`group`: every rank, made once at start-up): whole-model
-    gathers and collectives in the middle of a phase (the viewer's refresh, an evaluation) run on the default group
-    and so never come between two messages of a pair that the order matches."""
+    The channels have a process group of their own (`group`: every rank, made once at start-up): collectives (the
+    barrier's; whole-model gathers, which on several ranks run only at a phase's end) run on the default group and
+    so never come between two messages of a pair that the order matches."""
 
     def __init__(self, device: torch.device, log: WaitLog, group=None):
         self.device = device

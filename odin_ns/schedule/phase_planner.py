@@ -6,7 +6,8 @@ cameras (`schedule.geometry_plan`): the same views, read sets and lists wherever
 - `view_read_masks`, `view_schedule`: which views every rank renders at every step (nerfstudio's seeded order, or
   Odin's by region, from each view's read set);
 - `PhaseRules`: where a phase ends (splatfacto's refine schedule, SH degree changes, checkpoints, the end of
-  training, the phase length);
+  training, the phase length and, on several ranks, the trainer's whole-model gathers: viewer refreshes,
+  evaluations);
 - `motion_bounds`: the rigorous bound on how far selective Adam moves a mean and grows a log-scale in the steps of
   a phase, from the optimizers' settings;
 - `PhasePlanner.plan`: the views of every rank at every step (the view schedule) and each view's read set, from one
