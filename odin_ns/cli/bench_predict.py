@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -224,6 +225,14 @@ def draw(rows: List[Dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _kept(budget: float) -> str:
+    if budget == math.inf:
+        return "every graph"
+    if budget == 0:
+        return "no graph (each pair projected again at the update)"
+    return f"a step's graphs while they hold at most {budget / 1e9:.1f} GB a rank"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="odin-bench predict", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="8,16", help="rank counts, comma list (default 8,16)")
@@ -259,6 +268,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise SystemExit(f"odin: error: unknown scene {s!r} (choose from {', '.join(SCENE_SIZE)})")
     ranks = [int(r) for r in args.ranks.split(",")]
     print(describe(GPUS[args.gpu], link_named(args.link)), flush=True)
+    kept = [(where, keep_budget(args.projection_memory, args.projection_budget_mb, GPUS[args.gpu].memory_bytes, n))
+            for where, n in (("several GPUs", 2), ("one GPU", 1))]
+    print(f"projections ({args.projection_memory}), what an owner keeps of them until its update: "
+          + "; ".join(f"{where}: {_kept(budget)}" for where, budget in kept), flush=True)
     rows = []
     for r in ranks:
         for s in scenes:
