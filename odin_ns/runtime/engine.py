@@ -210,7 +210,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         path = folder / f"odin_messages_rank{self.env.rank}.json"
         path.write_text(json.dumps({"programs": self.recorder, "messages": self.runtime.channels.record}))
 
-    def _owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def _owned_rows(self, rows: torch.Tensor) -> Dict[str, torch.Tensor]:
         return gathered_rows(self.model.gauss_params, rows)
 
     def _camera(self, step: int, view: int) -> Tuple[torch.Tensor, torch.Tensor, int, int]:

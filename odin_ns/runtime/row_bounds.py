@@ -38,9 +38,10 @@ class RowBounds:
         self.scale = scale32.contiguous()
         self.row_block = row_block
 
-    def blocks_outside(self, i: int, rows: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> List[int]:
-        """The blocks (ascending) of the rows `rows` whose mean or largest scale at step `i` of the phase lies
-        outside the bounds; one host read."""
+    def blocks_outside(self, i: int, rows: Optional[torch.Tensor], means: torch.Tensor,
+                       log_scales: torch.Tensor) -> List[int]:
+        """The blocks (ascending) of the rows `rows` (None: every owned row) whose mean or largest scale at step `i`
+        of the phase lies outside the bounds; one host read."""
         return self.check(i, rows, means, log_scales)[0]
 
     def check(self, i: int, rows: Optional[torch.Tensor], means: torch.Tensor, log_scales: torch.Tensor,

@@ -25,6 +25,11 @@ def param_widths(num_rest: int) -> Dict[str, int]:
     return {"means": 3, "scales": 3, "quats": 4, "features_dc": 3, "features_rest": 3 * num_rest, "opacities": 1}
 
 
+def row_width(num_rest: int) -> int:
+    """Columns of a packed row (59 at SH degree 3)."""
+    return sum(param_widths(num_rest).values())
+
+
 def param_columns(num_rest: int) -> Dict[str, Tuple[int, int]]:
     """[start, stop) columns of each parameter in a packed row, in `PARAM_NAMES` order."""
     out, col = {}, 0
@@ -62,7 +67,7 @@ class ShardedGaussians:
         self.env = env
         self.table = table
         self.num_rest = num_rest
-        self.width = sum(param_widths(num_rest).values())
+        self.width = row_width(num_rest)
         self.device = device
         self.log = log
 

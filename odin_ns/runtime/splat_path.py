@@ -33,7 +33,6 @@ the splats and kept projections in flight.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -43,7 +42,7 @@ from odin_ns.runtime.admission import evidence_to_wire
 from odin_ns.runtime.block_table import expand_ranges
 from odin_ns.runtime.inbox import Inbox
 from odin_ns.runtime.projection_memory import ProjectionMemory
-from odin_ns.runtime.sharded import param_widths
+from odin_ns.runtime.sharded import row_width
 from odin_ns.runtime.splat_reader import SplatReader, splats_for
 from odin_ns.runtime.view_projection import ViewProjection, backprop, project_views
 
@@ -72,17 +71,16 @@ class SplatPath(SplatReader):
     of these owned rows as they are now, gathered (a copy each: a projection's leaves); `runtime` the rank's
     `RankRuntime` (its plan, channels, evidence and decisions)."""
 
-    def __init__(self, runtime, model, num_rest: int, camera, owned_rows, ops,
-                 memory: Optional[ProjectionMemory] = None) -> None:
+    def __init__(self, runtime, model, num_rest: int, camera, owned_rows, ops, memory: ProjectionMemory) -> None:
         self.runtime, self.model = runtime, model
         self.env, self.log, self.device = runtime.env, runtime.log, runtime.device
         self.ops = ops  # the runtime's operation count (odin-bench scale): an owner's projection is render work
         self.num_rest = num_rest
         # which projections keep their graph, which only their splats (U projects those again with a graph)
-        self.memory = memory if memory is not None else ProjectionMemory(math.inf)
+        self.memory = memory
         self.camera = camera
         self.owned_rows = owned_rows
-        self.width = sum(param_widths(num_rest).values())  # a row's packed parameters
+        self.width = row_width(num_rest)  # a row's packed parameters
         self.absgrad = bool(model.strategy.absgrad)
         self.antialiased = model.config.rasterize_mode == "antialiased"
         # the splat columns whose gradient travels back: the depth's only when the render uses it (expected depth)
