@@ -16,7 +16,8 @@ import copy
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Type, Union
+from functools import partial
+from typing import Callable, Dict, Optional, Type, Union
 
 import torch
 import tyro
@@ -35,6 +36,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from odin_ns.image_metrics import PSNR
 from odin_ns.recipe import length_in_steps
 from odin_ns.render import rasterization
+from odin_ns.render.projection import partition_free
 from odin_ns.render.viewmat import get_viewmat
 
 GAUSSIAN_PARAMS = ("means", "scales", "quats", "features_dc", "features_rest", "opacities")
@@ -115,6 +117,9 @@ class OdinModel(SplatfactoModel):
         self.gauss_params = torch.nn.ParameterDict(gauss_params)
         self.engine = None  # the distributed engine (odin_ns.runtime.engine), attached by the pipeline for training
         self.full_snapshot: Optional[Dict[str, torch.Tensor]] = None  # the whole model, on rank 0 of several
+        # while rank 0 of several evaluates: (viewmat, K, width, height, SH degree) -> every owner's splats, in the
+        # order one process renders them (`runtime.eval_splats.EvalSplats.request`)
+        self.eval_splats: Optional[Callable] = None
         self.snapshot_owners: Optional[torch.Tensor] = None  # the owning rank of each row of the snapshot
         self.colour_by_owner = False  # the viewer's toggle: draw the snapshot in its owners' colours
         self._owner_coloured: Optional[Dict[str, torch.Tensor]] = None
@@ -242,17 +247,6 @@ class OdinModel(SplatfactoModel):
         else:
             optimized_camera_to_world = camera.camera_to_worlds
 
-        params = self.gaussians_for_view(camera)
-        crop_ids = None
-        if self.crop_box is not None and not self.training:
-            crop_ids = self.crop_box.within(params["means"]).squeeze()
-            if crop_ids.sum() == 0:
-                return self.get_empty_outputs(int(camera.width.item()), int(camera.height.item()),
-                                              self.background_color)
-        if crop_ids is not None:
-            params = {name: value[crop_ids] for name, value in params.items()}
-        colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)
-
         camera_scale_fac = self._get_downscale_factor()
         camera.rescale_output_resolution(1 / camera_scale_fac)
         viewmat = get_viewmat(optimized_camera_to_world)
@@ -264,17 +258,37 @@ class OdinModel(SplatfactoModel):
         if self.config.rasterize_mode not in ["antialiased", "classic"]:
             raise ValueError(f"Unknown rasterize_mode: {self.config.rasterize_mode}")
         render_mode = "RGB+ED" if self.config.output_depth_during_training or not self.training else "RGB"
-        if self.config.sh_degree > 0:
-            sh_degree_to_use = min(self.step // self.config.sh_degree_interval, self.config.sh_degree)
-        else:
-            colors = torch.sigmoid(colors).squeeze(1)
-            sh_degree_to_use = None
+        sh_degree_to_use = min(self.step // self.config.sh_degree_interval, self.config.sh_degree) \
+            if self.config.sh_degree > 0 else None
+        if not self.training and self.eval_splats is not None:  # rank 0 of several, evaluating: from the owners'
+            # splats (`runtime.eval_splats`; the viewer's crop box is not an evaluation's)
+            from odin_ns.render.splats import rasterize_splats
+
+            splats, radii = self.eval_splats(viewmat.to(self.device), K, W, H, sh_degree_to_use)
+            render, alpha, _ = rasterize_splats(splats, radii, W, H, render_mode)
+            return self._compose_outputs(render, alpha, camera, W, H, render_mode)
+
+        params = self.gaussians_for_view(camera)
+        crop_ids = None
+        if self.crop_box is not None and not self.training:
+            crop_ids = self.crop_box.within(params["means"]).squeeze()
+            if crop_ids.sum() == 0:
+                return self.get_empty_outputs(W, H, self.background_color)
+        if crop_ids is not None:
+            params = {name: value[crop_ids] for name, value in params.items()}
+        colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)
+        # on the CPU the activations give an element the same bits wherever it sits, as the owners' projections
+        # do (`render.projection.partition_free`): a whole-model render is then the splat path's, bit for bit
+        exp, sigmoid = (torch.exp, torch.sigmoid) if self.device.type != "cpu" else (
+            partial(partition_free, torch.exp), partial(partition_free, torch.sigmoid))
+        if sh_degree_to_use is None:
+            colors = sigmoid(colors).squeeze(1)
 
         render, alpha, self.info = rasterization(
             means=params["means"],
             quats=params["quats"],
-            scales=torch.exp(params["scales"]),
-            opacities=torch.sigmoid(params["opacities"]).squeeze(-1),
+            scales=exp(params["scales"]),
+            opacities=sigmoid(params["opacities"]).squeeze(-1),
             colors=colors,
             viewmats=viewmat.to(self.device),
             Ks=K,

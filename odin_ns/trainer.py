@@ -29,6 +29,7 @@ from odin_ns.errors import OdinInputError
 from odin_ns.pipeline import OdinPipeline
 from odin_ns.recipe import apply_recipe, recipe_rows
 from odin_ns.runtime.dist_env import init_distributed
+from odin_ns.runtime.eval_splats import EvalSplats
 from odin_ns.runtime.stats_file import write_stats
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
 from odin_ns.schedule.phase_planner import eval_intervals
@@ -75,8 +76,10 @@ class OdinTrainer(Trainer):
     nerfstudio's loop stays in charge of logging, evaluation, checkpoints and the viewer; what changes:
     - `train_iteration`: one step of the engine (render the rank's views, route gradients to owners, selective
       Adam, barrier, phase boundary);
-    - evaluation, checkpoints and the viewer need the whole model: every rank takes part in a gather to rank 0,
-      which then evaluates / writes a plain splatfacto checkpoint / refreshes what the viewer shows.
+    - checkpoints and the viewer need the whole model: every rank takes part in a gather to rank 0, which then
+      writes a plain splatfacto checkpoint / refreshes what the viewer shows;
+    - an evaluation runs on rank 0 and renders from every owner's splats, which the other ranks serve meanwhile
+      (`runtime.eval_splats`): no rank holds the whole model for it.
     """
 
     pipeline: OdinPipeline
@@ -220,19 +223,30 @@ class OdinTrainer(Trainer):
                      else f"phase {self.engine.plans_made} ended" if self.engine.plans_made else "not started")
             panel.show(step, phase, shares)
 
-    def _needs_full_model(self, step: int) -> bool:
+    def _evaluates(self, step: int) -> bool:
         """An evaluation runs after this step (one that ends its phase: `PhaseRules.of_trainer`)."""
         return any(step_check(step, every) for every in eval_intervals(self.config))
 
     def eval_iteration(self, step: int) -> None:
-        if self.env.distributed:
-            if not self._needs_full_model(step):
-                return
-            snapshot = self.engine.gather_full()
-            if self.env.rank != 0:
-                return
-            self.pipeline.model.full_snapshot = snapshot
-        super().eval_iteration(step)
+        """nerfstudio's evaluation; on several ranks rank 0 runs it and every render in it is made from every
+        owner's splats (`runtime.eval_splats`), which the other ranks serve meanwhile: no rank holds the whole
+        model for it."""
+        if not self.env.distributed:
+            return super().eval_iteration(step)
+        if not self._evaluates(step):
+            return
+        renders = EvalSplats(self.engine)
+        if self.env.rank != 0:
+            renders.serve()
+            return
+        model = self.pipeline.model
+        model.eval_splats = renders.request
+        try:
+            super().eval_iteration(step)
+        finally:
+            model.eval_splats = None
+            renders.stop()
+        self.engine.log.current.eval_renders += renders.renders
 
     def _load_checkpoint(self) -> None:
         """nerfstudio's `--load-dir` / `--load-checkpoint`, for a checkpoint of the whole model on any rank count:

@@ -59,7 +59,7 @@ def test_every_step_the_trainer_gathers_after_ends_its_phase(first):
     rules.of_trainer(config, first_step=first, steps=100, distributed=True)
     stops = set(_stops(rules, first, first + 100))
     gathers = [s for s in range(first, first + 100)
-               if OdinTrainer._needs_full_model(trainer, s) or (s > 0 and s % 7 == 0) or step_check(s, 12)]
+               if OdinTrainer._evaluates(trainer, s) or (s > 0 and s % 7 == 0) or step_check(s, 12)]
     assert len(gathers) > 20 and all(s + 1 in stops for s in gathers), sorted(set(gathers) - {s - 1 for s in stops})
 
 

@@ -81,6 +81,7 @@ def summarize(records: List[dict], world_size: int, wall_s: float) -> Dict:
         "peak_projection_bytes_per_rank": _rank_max(records, "projection_bytes", world_size),
         "projections_kept": sum(r.get("projections_kept", 0) for r in records),
         "projections_again": sum(r.get("projections_again", 0) for r in records),
+        "eval_renders": sum(r.get("eval_renders", 0) for r in records),
         "mean_blocks_read": _mean(r["blocks_read"] for r in records),
         "mean_blocks_total": _mean(r["blocks_total"] for r in records),
         "bytes_sent": sum(r["bytes_sent"] for r in records),

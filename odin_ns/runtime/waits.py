@@ -3,7 +3,7 @@
 Causes (DESIGN.md, "Measuring"): `validate` (a view waiting for the publications of the blocks it reads),
 `transfer` (an owner waiting for its readers' gradients), `barrier` (the global synchronization of a step,
 odin-barrier only), `phase` (the synchronization, densify/prune/rebalance and planning at a phase boundary),
-`gather` (collecting the whole model on rank 0 for checkpoints, evaluation and the viewer).
+`gather` (collecting the whole model on rank 0 for checkpoints and the viewer, and an evaluation's splats).
 
 Every second of a step's wall (from the start of one step to the start of the next) is in exactly one part:
 `render_s` (forward, loss, backward), `update_s` (summing contributions, selective Adam), the waits, and the
@@ -61,6 +61,9 @@ class StepRecord:
     # the update: `runtime.projection_memory`)
     projections_kept: int = 0
     projections_again: int = 0
+    # rank 0 of several: the renders of nerfstudio's evaluation after the step, each from every owner's splats
+    # (`runtime.eval_splats`)
+    eval_renders: int = 0
     row_bytes: int = 0  # bytes of one Gaussian's packed parameters (one process holds 3x that per Gaussian with Adam)
     gaussians_owned: int = 0
     blocks_read: int = 0
@@ -95,7 +98,7 @@ class StepRecord:
             "message_bytes": self.message_bytes, "resident_bytes": self.resident_bytes, "row_bytes": self.row_bytes,
             "projection_bytes": self.projection_bytes,
             "projections_kept": self.projections_kept, "projections_again": self.projections_again,
-            "gaussians_owned": self.gaussians_owned,
+            "eval_renders": self.eval_renders, "gaussians_owned": self.gaussians_owned,
             "blocks_read": self.blocks_read, "blocks_total": self.blocks_total, "loss": self.loss,
             "read_set_misses": self.read_set_misses, "misses_handled": self.misses_handled,
             "plan_violations": self.plan_violations, "phase_start": self.phase_start,

@@ -1,7 +1,7 @@
 """The whole model of a sharded run: checkpoints in, checkpoints out (a part of the engine).
 
 nerfstudio saves and loads one model; a run's ranks each hold their owned blocks. Rank 0 gathers every block (and
-the Adam moments) in block order for a checkpoint, the viewer and evaluation (`gather_full`,
+the Adam moments) in block order for a checkpoint and the viewer (`gather_full`,
 `gather_optimizer_states`), with what a resumed run needs beyond nerfstudio's keys to go on as if it never stopped
 (`resume_state`); a loaded checkpoint is re-sharded on any rank count (`adopt_full_model`). `WholeModel` is a
 mixin: the state is the engine's.

@@ -48,7 +48,8 @@ class PhaseRules:
     pause_refine_after_reset: int = 0
     sh_degree_interval: int = 0
     sh_degree: int = 0
-    # the trainer's intervals of checkpoints and, on several ranks, of whole-model gathers (from step 1)
+    # the trainer's intervals of checkpoints and, on several ranks, of its collectives (evaluations, viewer
+    # refreshes: `gather_intervals`), from step 1
     whole_model_every: Tuple[int, ...] = ()
     end_step: Optional[int] = None  # no phase plans messages past the last step
 
@@ -62,7 +63,7 @@ class PhaseRules:
 
     def of_trainer(self, config, first_step: int, steps: int, distributed: bool) -> None:
         """The trainer's steps that end a phase (`config`: nerfstudio's TrainerConfig): its last, its checkpoints
-        and, on several ranks, its whole-model gathers (`gather_intervals`)."""
+        and, on several ranks, its evaluations and viewer refreshes (`gather_intervals`)."""
         self.end_step = first_step + steps
         every = [config.steps_per_save] + (list(gather_intervals(config)) if distributed else [])
         self.whole_model_every = tuple(k for k in every if k)
@@ -95,7 +96,8 @@ class PhaseRules:
 
 def eval_intervals(config) -> Tuple[int, ...]:
     """The steps between nerfstudio's evaluations (image, batch, all images) that run: only with a logger that
-    takes them (its `check_eval_enabled`); 0 never. On several ranks each gathers the whole model to rank 0."""
+    takes them (its `check_eval_enabled`); 0 never. On several ranks every render of one is a collective: each
+    owner projects its Gaussians for rank 0's camera (`runtime.eval_splats`)."""
     if not (config.is_wandb_enabled() or config.is_tensorboard_enabled() or config.is_comet_enabled()):
         return ()
     return tuple(k for k in (config.steps_per_eval_image, config.steps_per_eval_batch,
@@ -103,8 +105,9 @@ def eval_intervals(config) -> Tuple[int, ...]:
 
 
 def gather_intervals(config) -> Tuple[int, ...]:
-    """The steps between the trainer's whole-model gathers on several ranks, from step 1: its evaluations and,
-    where a viewer runs, its refreshes (`--pipeline.viewer-refresh-every`; the first before the first step)."""
+    """The steps between the trainer's collectives on the default group on several ranks, from step 1: its
+    evaluations (renders from every owner's splats) and, where a viewer runs, its refreshes (a whole-model gather,
+    `--pipeline.viewer-refresh-every`; the first before the first step)."""
     refresh = (config.pipeline.viewer_refresh_every,) if config.is_viewer_enabled() else ()
     return eval_intervals(config) + refresh
 
