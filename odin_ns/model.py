@@ -6,7 +6,8 @@ unchanged) with three differences from splatfacto:
   (gsplat's kernels on CUDA, the PyTorch rasterizer elsewhere);
 - no network at construction: LPIPS is measured only when its AlexNet weights are already on disk;
 - a training view is rendered from splats (`outputs_from_splats`: the owners project their Gaussians, the view's
-  rank rasterizes); `get_outputs` (evaluation, the viewer) renders the Gaussians of `gaussians_for_view`.
+  rank rasterizes); `get_outputs` (evaluation, the viewer) renders the Gaussians of `gaussians_for_view`, or,
+  on rank 0 of several evaluating, every owner's splats (`eval_splats`).
 Training steps are run by `odin_ns.runtime.engine.OdinEngine` (sharding, selective Adam, block-wise densification).
 """
 

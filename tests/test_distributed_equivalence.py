@@ -43,6 +43,18 @@ def stats(out: Path):
     return json.loads((run_dir(out) / "odin_stats.json").read_text())
 
 
+def eval_metrics(out: Path):
+    """nerfstudio's evaluations of every held-out image in a run (its tensorboard events): {metric: [(step,
+    value)]} for PSNR and SSIM."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = run_dir(out).glob("events.out.tfevents*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    prefix = "Eval Images Metrics Dict (all images)/"
+    return {m: [(e.step, e.value) for e in acc.Scalars(prefix + m)] for m in ("psnr", "ssim")}
+
+
 def assert_same_training(a, b):
     assert a["step"] == b["step"]
     for name in GAUSS:
@@ -180,25 +192,19 @@ def test_odin_equals_barrier_on_the_aerial_survey(runs, ranks):
 
 
 def test_a_rank_that_owns_no_block_still_takes_part(runs):
-    """One block for two ranks: one rank owns nothing, fetches everything, and the result is still the reference."""
-    args = FAST_TRAINING + SH + ["--max-num-iterations", "16", "--pipeline.block-size", "100000"]
+    """One block for two ranks: one rank owns nothing, fetches everything, and the result is still the reference;
+    an evaluation at step 8 (every held-out view) renders from one owner's splats alone, as one process does."""
+    args = FAST_TRAINING + SH + ["--max-num-iterations", "16", "--pipeline.block-size", "100000",
+                                 "--steps-per-eval-all-images", "8"]
     dist = runs.get(2, "odin", args + TINY_CITY)
-    ref = load(runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "2"] + TINY_CITY))
+    one = runs.get(1, "odin-barrier", args + ["--pipeline.micro-batch", "2"] + TINY_CITY)
+    ref = load(one)
     assert_sh_trained(ref)
     assert_same_training(load(dist), ref)
     assert sorted(stats(dist)["summary"]["peak_gaussians_owned"]) == [0, 1500]
-
-
-def eval_metrics(out: Path):
-    """nerfstudio's evaluations of every held-out image in a run (its tensorboard events): {metric: [(step,
-    value)]} for PSNR and SSIM."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = run_dir(out).glob("events.out.tfevents*")
-    acc = EventAccumulator(str(events))
-    acc.Reload()
-    prefix = "Eval Images Metrics Dict (all images)/"
-    return {m: [(e.step, e.value) for e in acc.Scalars(prefix + m)] for m in ("psnr", "ssim")}
+    expected = eval_metrics(one)
+    assert [s for s, _ in expected["psnr"]] == [8] and eval_metrics(dist) == expected
+    assert stats(dist)["summary"]["eval_renders"] > 0
 
 
 @pytest.mark.skipif(not (FOX / "transforms.json").exists(), reason="the shared fox photos are not present")

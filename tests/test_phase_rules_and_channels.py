@@ -1,9 +1,10 @@
 """What ends a phase at the trainer's steps (`PhaseRules.of_trainer`), and how the channels keep NCCL's batches.
 
-A whole-model gather (a viewer refresh, an evaluation) is a collective on the default group: on several ranks it
-must not run beside a phase's messages or a communication lane still sending, so its step ends the phase, as a
-checkpoint's does. The trainings that run through such steps are in test_viewer_panel (a refresh every 10 steps,
-throughput-first's lane on a thread) and test_nerfstudio_tools."""
+A viewer refresh (a whole-model gather) and an evaluation (renders from every owner's splats) are collectives on the
+default group: on several ranks they must not run beside a phase's messages or a communication lane still sending,
+so their step ends the phase, as a checkpoint's does. The trainings that run through such steps are in
+test_viewer_panel (a refresh every 10 steps, throughput-first's lane on a thread), test_nerfstudio_tools and
+test_distributed_equivalence (evaluations)."""
 
 from types import SimpleNamespace
 
@@ -31,7 +32,7 @@ def _stops(rules, start=0, until=60):
     return stops
 
 
-def test_a_gather_of_the_whole_model_ends_its_phase_on_several_ranks():
+def test_a_refresh_or_an_evaluation_ends_its_phase_on_several_ranks():
     rules = PhaseRules(phase_length=25)
     rules.of_trainer(_trainer(True, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=True)
     # evaluations at 7, 14, ..., refreshes at 10, 20, ..., the checkpoint at 40: each step ends its phase
@@ -40,7 +41,7 @@ def test_a_gather_of_the_whole_model_ends_its_phase_on_several_ranks():
     assert _stops(rules) == [8, 15, 22, 29, 36, 41, 43, 50, 57, 60]  # no viewer: no refresh
     rules.of_trainer(_trainer(True, save=40, image=7, refresh=10, logger=False), first_step=0, steps=60,
                      distributed=True)
-    assert _stops(rules) == [11, 21, 31, 41, 51, 60]  # no logger: nerfstudio evaluates nothing, nothing gathered
+    assert _stops(rules) == [11, 21, 31, 41, 51, 60]  # no logger: nerfstudio evaluates nothing
     rules.of_trainer(_trainer(True, save=40, image=7, refresh=10), first_step=0, steps=60, distributed=False)
     assert _stops(rules) == [25, 41, 60]  # one process gathers nothing: its checkpoints and the length alone
 

@@ -73,8 +73,8 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
         if not (DEFAULT_FOX / "transforms.json").exists():
             raise SystemExit(f"odin: error: the fox photos are not at {DEFAULT_FOX} (leave fox out of --scenes)")
         args = ["--data", str(DEFAULT_FOX)] + args
-    # a run as the benchmarks make them: no viewer and no evaluation, each of which gathers the whole model to
-    # rank 0 and so ends its phase on several ranks
+    # a run as the benchmarks make them: no viewer and no evaluation, each a collective on the default group
+    # (a whole-model gather to rank 0, renders from every owner's splats) that ends its phase on several ranks
     config = _method_config(["odin", *QUIET_RUN, "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
                              str(64 if ranks > 4 else 256), "--pipeline.micro-batch", str(micro_batch)] + args)
     preview = build_preview(config, ranks, steps)

@@ -83,8 +83,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         self.lane: Lane | None = None  # throughput-first: the phase's communication lane
         self.recorder = [] if os.environ.get(RECORD_ENV) else None  # every phase's program, when recording
         self.block_cut = block_cut
-        # where phases end (the trainer sets the end, the checkpoints and, on several ranks, the whole-model
-        # gathers: `PhaseRules.of_trainer`; each ends its phase)
+        # where phases end (the trainer sets the end, the checkpoints and, on several ranks, its collectives on
+        # the default group, viewer refreshes and evaluations: `PhaseRules.of_trainer`; each ends its phase)
         self.rules = PhaseRules.of_model(model, phase_length)
         self.plan: PhasePlan | None = None
         self.plans_made = 0

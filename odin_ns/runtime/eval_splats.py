@@ -7,9 +7,13 @@ holds), each render of an evaluation is a request every rank serves, as a traini
 path: splats, not rows"): rank 0 broadcasts the camera, every rank projects its owned Gaussians for it and sends
 rank 0 the visible splats with their places in the whole model, and rank 0 rasterizes them in the order of those
 places, the order one process renders the whole model in: the same image, bit for bit on the CPU. The other ranks
-serve requests until rank 0 says the evaluation is over (from a `finally`: an evaluation that fails on rank 0 still
-lets them go on to the error's handling). An evaluation runs after a step that ends its phase
-(`PhaseRules.of_trainer`): nothing is in flight and every update is applied.
+serve requests until rank 0 says the evaluation is over (from a `finally`). A request's collectives complete even
+where rank 0's own projection fails (it sends none and raises after), so that the stop meets the others in their
+broadcast; a serving rank that fails leaves rank 0 in the request until the launcher ends the job (the channels'
+timeout at most). An evaluation runs after a step that ends its phase (`PhaseRules.of_trainer`): nothing is in
+flight and every update is applied. Time a serving rank spends waiting for rank 0 (its rasterization and metrics)
+counts as `gather`; the renders themselves, on every rank, as nerfstudio's loop (`loop_s`), as one process's
+evaluation does.
 """
 
 from __future__ import annotations
@@ -66,9 +70,11 @@ class EvalSplats:
 
     def serve(self) -> None:
         """Every rank but 0: answer rank 0's requests until it stops."""
+        log = self.engine.log
         while True:
             command = torch.empty(COMMAND, dtype=torch.float64, device=comm_device())
-            dist.broadcast(command, 0)
+            with log.waiting("gather"):
+                dist.broadcast(command, 0)
             command = command.cpu()
             if command[0].item() == STOP:
                 return
@@ -79,28 +85,43 @@ class EvalSplats:
     def _answer(self, viewmat: torch.Tensor, K: torch.Tensor, width: int, height: int, sh_degree: Optional[int]
                 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """This rank's splats to rank 0; on rank 0, everyone's in render order."""
+        engine, rank = self.engine, self.engine.env.rank
+        failed: Optional[BaseException] = None
+        try:
+            mine = self._own(viewmat, K, width, height, sh_degree)
+        except Exception as e:  # rank 0: the request's collectives still complete (see the module docstring)
+            if rank != 0:
+                raise
+            failed, mine = e, torch.zeros((0, WIRE), dtype=torch.int32, device=engine.device)
+        counts = self._counts(mine.shape[0])
+        shapes = {p: (n, WIRE) for p, n in enumerate(counts) if p != rank} if rank == 0 else {}
+        received = exchange({0: mine} if rank != 0 else {}, shapes, torch.int32, engine.device, engine.log, "gather")
+        if failed is not None:
+            raise failed
+        if rank != 0:
+            return None
+        wire = torch.cat([mine] + [received[p] for p in sorted(received)])
+        # the places' int64 words copied out whole (a view of one or no row keeps the slice's odd offset)
+        places = wire[:, SPLAT_WIDTH + 1:].clone(memory_format=torch.contiguous_format).view(torch.int64).reshape(-1)
+        wire = wire.index_select(0, torch.argsort(places))
+        return wire[:, :SPLAT_WIDTH].contiguous().view(torch.float32), wire[:, SPLAT_WIDTH].contiguous()
+
+    def _own(self, viewmat: torch.Tensor, K: torch.Tensor, width: int, height: int, sh_degree: Optional[int]
+             ) -> torch.Tensor:
+        """This rank's visible splats for the camera, as wire rows: the splat's numbers, its radius, its place."""
         engine, device = self.engine, self.engine.device
         cams = RowCameras.one(viewmat.to(device), K.to(device), width, height)
         with torch.no_grad():
             rows = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
             view = project_rows(rows, engine.num_rest, cams, sh_degree, self.antialiased, keep_graph=False)
         places = self.places.index_select(0, view.ids)
-        mine = torch.cat([view.splats.contiguous().view(torch.int32), view.radii.to(torch.int32)[:, None],
+        return torch.cat([view.splats.contiguous().view(torch.int32), view.radii.to(torch.int32)[:, None],
                           places.contiguous().view(torch.int32).reshape(-1, 2)], dim=1)
-        counts = self._counts(mine.shape[0])
-        rank = engine.env.rank
-        shapes = {p: (n, WIRE) for p, n in enumerate(counts) if p != rank} if rank == 0 else {}
-        received = exchange({0: mine} if rank != 0 else {}, shapes, torch.int32, device, engine.log, "gather")
-        if rank != 0:
-            return None
-        wire = torch.cat([mine] + [received[p] for p in sorted(received)])
-        order = torch.argsort(wire[:, SPLAT_WIDTH + 1:].contiguous().view(torch.int64).reshape(-1))
-        wire = wire.index_select(0, order)
-        return wire[:, :SPLAT_WIDTH].contiguous().view(torch.float32), wire[:, SPLAT_WIDTH].contiguous()
 
     def _counts(self, n: int) -> List[int]:
-        """Every rank's splat count for this render."""
+        """Every rank's splat count for this render (one host read)."""
         mine = torch.tensor([n], dtype=torch.int64, device=comm_device())
         every = [torch.empty_like(mine) for _ in range(self.engine.env.world_size)]
-        dist.all_gather(every, mine)
-        return [int(t.item()) for t in every]
+        with self.engine.log.waiting("gather"):
+            dist.all_gather(every, mine)
+        return torch.cat(every).tolist()

@@ -100,7 +100,8 @@ class Channels:
     `posts_ahead` allows it).
 
     The channels have a process group of their own (`group`: every rank, made once at start-up): collectives (the
-    barrier's; whole-model gathers, which on several ranks run only at a phase's end) run on the default group and
+    barrier's; the trainer's whole-model gathers and evaluations, which on several ranks run only at a phase's end)
+    run on the default group and
     so never come between two messages of a pair that the order matches."""
 
     def __init__(self, device: torch.device, log: WaitLog, group=None):

@@ -6,8 +6,8 @@ cameras (`schedule.geometry_plan`): the same views, read sets and lists wherever
 - `view_read_masks`, `view_schedule`: which views every rank renders at every step (nerfstudio's seeded order, or
   Odin's by region, from each view's read set);
 - `PhaseRules`: where a phase ends (splatfacto's refine schedule, SH degree changes, checkpoints, the end of
-  training, the phase length and, on several ranks, the trainer's whole-model gathers: viewer refreshes,
-  evaluations);
+  training, the phase length and, on several ranks, the trainer's collectives on the default group: viewer
+  refreshes, evaluations);
 - `motion_bounds`: the rigorous bound on how far selective Adam moves a mean and grows a log-scale in the steps of
   a phase, from the optimizers' settings;
 - `PhasePlanner.plan`: the views of every rank at every step (the view schedule) and each view's read set, from one
@@ -34,9 +34,10 @@ NEAR_PLANE = 0.01  # the model's near plane (splatfacto's)
 @dataclass
 class PhaseRules:
     """What ends a phase. A refine step ends its phase, and so does a checkpoint step (every update applied before
-    it is saved), a step after which the trainer gathers the whole model on several ranks (a viewer refresh, an
-    evaluation: a collective on the default group, which must not come between a pair's messages nor beside a
-    communication lane still sending), the end of training and the phase length (a longer phase inflates its read
+    it is saved), a step after which the trainer runs a collective on several ranks (a viewer refresh's whole-model
+    gather, an evaluation's renders from every owner's splats: collectives on the default group, which must not
+    come between a pair's messages nor beside a communication lane still sending, and an evaluation renders the
+    model as every update left it), the end of training and the phase length (a longer phase inflates its read
     sets by a larger motion bound); an SH degree change starts a phase. So no read is ever behind across a
     structural change."""
 
