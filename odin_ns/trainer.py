@@ -259,6 +259,14 @@ class OdinTrainer(Trainer):
         check_same_scene(path, state.get("odin", {}).get("scene"), scene_identity(self))
         check_same_recipe(path, state.get("odin", {}).get("recipe"), self.recipe)
         self._start_step = state["step"] + 1
+        # the whole model stays in host memory: nerfstudio's load takes none of its rows (splatfacto resizes its
+        # Gaussians to the rows it is given) and the engine puts each rank's own rows on its device (a checkpoint
+        # with splatfacto's older keys is loaded whole, as nerfstudio loads it)
+        keys = {n: f"_model.gauss_params.{n}" for n in self.engine.param_names}
+        full = {n: state["pipeline"][k] for n, k in keys.items()} if all(
+            k in state["pipeline"] for k in keys.values()) else None
+        for n, k in keys.items() if full is not None else ():
+            state["pipeline"][k] = full[n][:0]
         self.pipeline.load_pipeline(state["pipeline"], state["step"])
         gaussian_groups = {}
         for group, opt_state in state["optimizers"].items():
@@ -271,7 +279,7 @@ class OdinTrainer(Trainer):
                 live.update({k: v for k, v in saved.items() if k != "params" and k in live})
             elif group in self.optimizers.optimizers:
                 self.optimizers.optimizers[group].load_state_dict(opt_state)
-        self.engine.adopt_full_model(gaussian_groups, self.optimizers, state.get("odin", {}).get("resume"))
+        self.engine.adopt_full_model(gaussian_groups, self.optimizers, state.get("odin", {}).get("resume"), full)
         if "schedulers" in state and self.config.load_scheduler:
             self.optimizers.load_schedulers(state["schedulers"])
         self.grad_scaler.load_state_dict(state["scalers"])
@@ -279,8 +287,8 @@ class OdinTrainer(Trainer):
 
     def save_checkpoint(self, step: int) -> None:
         """Write a plain splatfacto checkpoint of the whole model on rank 0 (every rank takes part in the gather)."""
-        full = self.engine.gather_full()
-        states = self.engine.gather_optimizer_states(self.optimizers)
+        full = self.engine.gather_full(to_host=True)  # in host memory (no device need hold the whole model)
+        states = self.engine.gather_optimizer_states(self.optimizers, to_host=True)
         resume = self.engine.resume_state()
         if self.env.rank != 0:
             return

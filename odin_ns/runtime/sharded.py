@@ -73,23 +73,29 @@ class ShardedGaussians:
 
     # ---- the whole model on one rank -----------------------------------------------------------------------
 
-    def gather_to(self, root: int, owned_rows: torch.Tensor) -> Optional[torch.Tensor]:
-        """All blocks' packed rows on `root`, in block order (collective: every rank calls it)."""
+    def gather_to(self, root: int, owned_rows: torch.Tensor, to_host: bool = False) -> Optional[torch.Tensor]:
+        """All blocks' packed rows on `root`, in block order (collective: every rank calls it). `to_host`: put
+        together in host memory, each rank's rows crossing to the root's device alone and copied out before the
+        next rank's come, so that the root's device holds at most one other rank's rows beside its own (a
+        checkpoint of a model no device could hold whole); otherwise every rank's at once, on the device."""
         me, table = self.env.rank, self.table
-        sends = {root: owned_rows} if me != root and owned_rows.shape[0] else {}
-        shapes = {}
-        if me == root:
-            for p in range(self.env.world_size):
-                n = table.num_owned_gaussians(p)
-                if p != root and n:
-                    shapes[p] = (n, owned_rows.shape[1])
-        received = exchange(sends, shapes, owned_rows.dtype, self.device, self.log, "gather")
+        width = owned_rows.shape[1]
+        received = {}
+        for group in ([p] for p in range(self.env.world_size)) if to_host else [range(self.env.world_size)]:
+            sends = {root: owned_rows} if me != root and me in group and owned_rows.shape[0] else {}
+            shapes = {p: (table.num_owned_gaussians(p), width) for p in group
+                      if me == root and p != root and table.num_owned_gaussians(p)}
+            if sends or shapes:
+                got = exchange(sends, shapes, owned_rows.dtype, self.device, self.log, "gather")
+                received.update({p: t.cpu() if to_host else t for p, t in got.items()})
+                del got  # (to the host: the device's copy goes before the next rank's comes)
         if me != root:
             return None
+        own = owned_rows.cpu() if to_host else owned_rows
         parts, cursors = [], {p: 0 for p in range(self.env.world_size)}
         for b in range(table.num_blocks):
             p, n = int(table.owner[b]), int(table.count[b])
-            source = owned_rows if p == root else received[p]
+            source = own if p == root else received[p]
             parts.append(source[cursors[p]:cursors[p] + n])
             cursors[p] += n
-        return torch.cat(parts) if parts else owned_rows[:0]
+        return torch.cat(parts) if parts else own[:0]

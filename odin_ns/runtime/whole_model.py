@@ -25,14 +25,18 @@ class WholeModel:
 
     @torch.no_grad()
     def adopt_full_model(self, moments: Dict[str, Dict[str, torch.Tensor]], optimizers,
-                         resume: Dict | None = None) -> None:
-        """After a checkpoint loaded the whole model into every rank: re-shard it (any rank count) with its moments.
+                         resume: Dict | None = None, full: Dict[str, torch.Tensor] | None = None) -> None:
+        """Shard a checkpoint's whole model (any rank count) with its moments: `full`, its Gaussian parameters as
+        the checkpoint holds them (in host memory: the rank's own rows alone go to its device), or, without,
+        the whole model loaded into this rank's model.
 
         `moments[name]` holds "exp_avg"/"exp_avg_sq" of the whole model and "step" (one number). `resume` is what
         an odin checkpoint adds (`resume_state`): its blocks, kept as they were (so a resumed run renders the
         same rows in the same order as one that never stopped), gsplat's densification statistics and
         throughput-first's evidence; without it (a plain splatfacto checkpoint) the model is cut afresh."""
-        full = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        if full is None:
+            full = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
+        full = dict(full)
         n_rows = full["means"].shape[0]
         for n in PARAM_NAMES:
             for key in ("exp_avg", "exp_avg_sq"):
@@ -46,6 +50,9 @@ class WholeModel:
         for k, v in strategy.items():
             full[f"state:{k}"] = v.to(full["means"].device)
         mine, _ = self._shard_full(full, self.block_size, counts)
+        mine = {k: t.to(self.device) for k, t in mine.items()}
+        table = self.table  # its bounds where a fresh start's are: on the model's device
+        table.lo, table.hi, table.max_scale = (t.to(self.device) for t in (table.lo, table.hi, table.max_scale))
         for n in PARAM_NAMES:
             optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
             self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)
@@ -87,18 +94,21 @@ class WholeModel:
                 "strategy": {k: full[:, i].clone().cpu() for i, k in enumerate(STATE_KEYS)},
                 "evidence": evidence}
 
-    def gather_full(self) -> Dict[str, torch.Tensor] | None:
-        """Every block's parameters on rank 0 in block order (collective); None elsewhere."""
+    def gather_full(self, to_host: bool = False) -> Dict[str, torch.Tensor] | None:
+        """Every block's parameters on rank 0 in block order (collective); None elsewhere. `to_host`: in host
+        memory, one rank's rows on rank 0's device at a time (`ShardedGaussians.gather_to`): a checkpoint's."""
         owned_rows = pack_params({n: self.model.gauss_params[n] for n in PARAM_NAMES})
         if not self.env.distributed:
-            return {n: t.clone() for n, t in unpack_params(owned_rows, self.num_rest).items()}
-        rows = self.sharded.gather_to(0, owned_rows)
+            return {n: t.to("cpu" if to_host else t.device, copy=True)
+                    for n, t in unpack_params(owned_rows, self.num_rest).items()}
+        rows = self.sharded.gather_to(0, owned_rows, to_host)
         if rows is None:
             return None
         return {n: t.contiguous() for n, t in unpack_params(rows, self.num_rest).items()}
 
-    def gather_optimizer_states(self, optimizers) -> Dict[str, Dict[str, torch.Tensor]] | None:
-        """The Adam moments of every Gaussian on rank 0, in block order (collective); None elsewhere."""
+    def gather_optimizer_states(self, optimizers, to_host: bool = False) -> Dict[str, Dict[str, torch.Tensor]] | None:
+        """The Adam moments of every Gaussian on rank 0, in block order (collective); None elsewhere. `to_host`: as
+        `gather_full`'s."""
         gathered: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in PARAM_NAMES}
         for key in ("exp_avg", "exp_avg_sq"):
             owned = {}
@@ -106,7 +116,8 @@ class WholeModel:
                 param = self.model.gauss_params[n]
                 owned[n] = optimizers.optimizers[n].state.get(param, {}).get(key, torch.zeros_like(param))
             rows = pack_params(owned)
-            full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
+            full = self.sharded.gather_to(0, rows, to_host) if self.env.distributed else \
+                rows.cpu() if to_host else rows
             if full is None:
                 continue
             for n, t in unpack_params(full, self.num_rest).items():
