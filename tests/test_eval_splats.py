@@ -5,14 +5,10 @@ bit for bit; a camera that sees one Gaussian or none renders too."""
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from odin_ns.render import rasterization_cpu
 from odin_ns.render.projection import RowCameras, partition_free
@@ -55,58 +51,46 @@ def _cameras():
 K = torch.tensor([[30.0, 0, W / 2], [0, 30.0, H / 2], [0, 0, 1]])
 
 
-def _rank(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def _rank(rank: int, world: int, results) -> None:
     torch.set_num_threads(1)
+    whole = _model()
+    starts = [sum(COUNT[:b]) for b in range(len(COUNT))]
+    mine = [torch.arange(starts[b], starts[b] + COUNT[b]) for b in range(len(COUNT)) if OWNER[b] == rank]
+    rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
+    B = len(COUNT)
+    table = BlockTable(owner=torch.tensor(OWNER), count=torch.tensor(COUNT), lo=torch.zeros(B, 3),
+                       hi=torch.zeros(B, 3), max_scale=torch.zeros(B), version=torch.zeros(B, dtype=torch.int64))
+    model = SimpleNamespace(gauss_params={n: whole[n][rows] for n in PARAM_NAMES},
+                            config=SimpleNamespace(rasterize_mode="classic"))
+    engine = SimpleNamespace(model=model, table=table, env=SimpleNamespace(rank=rank, world_size=world),
+                             device=torch.device("cpu"), num_rest=NUM_REST, log=WaitLog(rank))
+    renders = EvalSplats(engine)
+    if rank != 0:
+        renders.serve()
+        return
     try:
-        whole = _model()
-        starts = [sum(COUNT[:b]) for b in range(len(COUNT))]
-        mine = [torch.arange(starts[b], starts[b] + COUNT[b]) for b in range(len(COUNT)) if OWNER[b] == rank]
-        rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
-        B = len(COUNT)
-        table = BlockTable(owner=torch.tensor(OWNER), count=torch.tensor(COUNT), lo=torch.zeros(B, 3),
-                           hi=torch.zeros(B, 3), max_scale=torch.zeros(B), version=torch.zeros(B, dtype=torch.int64))
-        model = SimpleNamespace(gauss_params={n: whole[n][rows] for n in PARAM_NAMES},
-                                config=SimpleNamespace(rasterize_mode="classic"))
-        engine = SimpleNamespace(model=model, table=table, env=SimpleNamespace(rank=rank, world_size=world),
-                                 device=torch.device("cpu"), num_rest=NUM_REST, log=WaitLog(rank))
-        renders = EvalSplats(engine)
-        if rank != 0:
-            renders.serve()
-            return
-        try:
-            for k, viewmat in enumerate(_cameras()):
-                splats, radii = renders.request(viewmat[None], K[None], W, H, 3)
-                # one process: the whole model projected in its order
-                view = project_rows({n: whole[n] for n in PARAM_NAMES}, NUM_REST, RowCameras.one(viewmat, K, W, H),
-                                    3, False, keep_graph=False)
-                results[f"splats {k}"] = (splats.shape[0], torch.equal(splats, view.splats),
-                                          torch.equal(radii, view.radii))
-                render, alpha, _ = rasterize_splats(splats, radii, W, H, "RGB+ED")
-                colors = torch.cat([whole["features_dc"][:, None], whole["features_rest"]], 1)
-                ref, ref_alpha, _ = rasterization_cpu(
-                    whole["means"], whole["quats"], partition_free(torch.exp, whole["scales"]),
-                    partition_free(torch.sigmoid, whole["opacities"]).squeeze(-1), colors, viewmat[None], K[None], W,
-                    H, sh_degree=3, packed=False, render_mode="RGB+ED")
-                results[f"image {k}"] = (torch.equal(render, ref), torch.equal(alpha, ref_alpha),
-                                         float(alpha.max()))
-            results["renders"] = renders.renders
-        finally:
-            renders.stop()
+        for k, viewmat in enumerate(_cameras()):
+            splats, radii = renders.request(viewmat[None], K[None], W, H, 3)
+            # one process: the whole model projected in its order
+            view = project_rows({n: whole[n] for n in PARAM_NAMES}, NUM_REST, RowCameras.one(viewmat, K, W, H),
+                                3, False, keep_graph=False)
+            results[f"splats {k}"] = (splats.shape[0], torch.equal(splats, view.splats),
+                                      torch.equal(radii, view.radii))
+            render, alpha, _ = rasterize_splats(splats, radii, W, H, "RGB+ED")
+            colors = torch.cat([whole["features_dc"][:, None], whole["features_rest"]], 1)
+            ref, ref_alpha, _ = rasterization_cpu(
+                whole["means"], whole["quats"], partition_free(torch.exp, whole["scales"]),
+                partition_free(torch.sigmoid, whole["opacities"]).squeeze(-1), colors, viewmat[None], K[None], W,
+                H, sh_degree=3, packed=False, render_mode="RGB+ED")
+            results[f"image {k}"] = (torch.equal(render, ref), torch.equal(alpha, ref_alpha),
+                                     float(alpha.max()))
+        results["renders"] = renders.renders
     finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        renders.stop()
 
 
 def test_rank_0_renders_every_owners_splats_in_one_process_order():
-    results = mp.Manager().dict()
-    mp.spawn(_rank, args=(3, _free_port(), results), nprocs=3, join=True)
+    results = run_ranks(_rank, 3)
     many, one, none = (results[f"splats {k}"] for k in range(3))
     assert many[0] > 100 and many[1:] == (True, True), many
     assert one == (1, True, True) and none == (0, True, True), (one, none)

@@ -3,14 +3,11 @@ it is delivered, not at the phase's end (`runtime.send_reaper`; real gloo proces
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from odin_ns.runtime.held_bytes import HeldBytes
 from odin_ns.runtime.transport import Channels
@@ -36,49 +33,37 @@ def test_a_buffer_counts_while_it_is_alive_and_once_with_its_views():
     assert held.take_peak() == 6000 and held.take_peak() == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 MESSAGES, ROWS = 3, 1000
 
 
-def _rank(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+def _rank(rank: int, world: int, results) -> None:
     side = dist.new_group([0, 1])  # kept apart from the channels' messages
-    try:
-        log = WaitLog(rank)
-        channels = Channels(torch.device("cpu"), log)
-        if rank == 0:
-            channels.batch([(1, torch.full((ROWS, 10), float(k))) for k in range(MESSAGES)], [], "transfer", "G")
-            results["held while undelivered"] = log.held.now  # rank 1 posts nothing before the barrier
-            dist.barrier(group=side)
-            ack = torch.zeros(1)
-            channels.batch([], [(1, ack)], "transfer")  # rank 1 has every message when it answers
-            del ack  # a received buffer counts while it is alive too
-            deadline = time.monotonic() + 60
-            while log.held.now and time.monotonic() < deadline:  # the sends' thread lets them go
-                time.sleep(0.01)
-            results["held after delivery"] = log.held.now
-            channels.flush()
-        else:
-            dist.barrier(group=side)
-            got = [torch.empty((ROWS, 10)) for _ in range(MESSAGES)]
-            channels.batch([], [(0, t) for t in got], "transfer")
-            results["received"] = [float(t.mean()) for t in got]
-            channels.batch([(0, torch.ones(1))], [], "transfer")
-            channels.flush()
+    log = WaitLog(rank)
+    channels = Channels(torch.device("cpu"), log)
+    if rank == 0:
+        channels.batch([(1, torch.full((ROWS, 10), float(k))) for k in range(MESSAGES)], [], "transfer", "G")
+        results["held while undelivered"] = log.held.now  # rank 1 posts nothing before the barrier
         dist.barrier(group=side)
-    finally:
-        dist.destroy_process_group()
+        ack = torch.zeros(1)
+        channels.batch([], [(1, ack)], "transfer")  # rank 1 has every message when it answers
+        del ack  # a received buffer counts while it is alive too
+        deadline = time.monotonic() + 60
+        while log.held.now and time.monotonic() < deadline:  # the sends' thread lets them go
+            time.sleep(0.01)
+        results["held after delivery"] = log.held.now
+        channels.flush()
+    else:
+        dist.barrier(group=side)
+        got = [torch.empty((ROWS, 10)) for _ in range(MESSAGES)]
+        channels.batch([], [(0, t) for t in got], "transfer")
+        results["received"] = [float(t.mean()) for t in got]
+        channels.batch([(0, torch.ones(1))], [], "transfer")
+        channels.flush()
+    dist.barrier(group=side)
 
 
 def test_a_sent_buffer_is_let_go_once_its_receiver_has_it():
-    results = mp.Manager().dict()
-    mp.spawn(_rank, args=(_free_port(), results), nprocs=2, join=True)
+    results = run_ranks(_rank, 2)
     assert results["received"] == [float(k) for k in range(MESSAGES)]
     assert results["held while undelivered"] == MESSAGES * ROWS * 10 * 4
     assert results["held after delivery"] == 0

@@ -2,40 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from odin_ns.runtime.config_check import check_same_config
 from odin_ns.errors import OdinInputError
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, configs, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def _rank(rank: int, world: int, results, configs):
     try:
         check_same_config(configs[rank], rank, world)
         results[rank] = "same"
     except OdinInputError as err:
         results[rank] = err.message
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(configs):
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_rank, args=(len(configs), _free_port(), configs, results), nprocs=len(configs), join=True)
-    return dict(results)
+    return run_ranks(_rank, len(configs), configs)
 
 
 def test_identical_configs_pass():
