@@ -77,7 +77,8 @@ class OdinTrainer(Trainer):
     - `train_iteration`: one step of the engine (render the rank's views, route gradients to owners, selective
       Adam, barrier, phase boundary);
     - checkpoints and the viewer need the whole model: every rank takes part in a gather to rank 0, which then
-      writes a plain splatfacto checkpoint / refreshes what the viewer shows;
+      writes a plain splatfacto checkpoint (put together in host memory, one rank's rows at a time) / refreshes
+      what the viewer shows;
     - an evaluation runs on rank 0 and renders from every owner's splats, which the other ranks serve meanwhile
       (`runtime.eval_splats`): no rank holds the whole model for it.
     """
@@ -250,7 +251,8 @@ class OdinTrainer(Trainer):
 
     def _load_checkpoint(self) -> None:
         """nerfstudio's `--load-dir` / `--load-checkpoint`, for a checkpoint of the whole model on any rank count:
-        every rank loads it, then the engine re-shards the Gaussians and their Adam moments."""
+        every rank reads it into host memory, nerfstudio's load takes the rest, and the engine puts the rank's own
+        Gaussians with their Adam moments on its device."""
         found = load_checkpoint_state(self.config, say=self._say)
         if found is None:
             CONSOLE.print("No Nerfstudio checkpoint to load, so training from scratch.")

@@ -39,8 +39,8 @@ class WholeModel:
         full = dict(full)
         n_rows = full["means"].shape[0]
         for n in PARAM_NAMES:
-            for key in ("exp_avg", "exp_avg_sq"):
-                full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n]))
+            for key in ("exp_avg", "exp_avg_sq"):  # (the moments come from the checkpoint: in host memory)
+                full[f"{key}:{n}"] = moments.get(n, {}).get(key, torch.zeros_like(full[n])).to(full[n].device)
         resume = resume or {}
         counts = resume.get("blocks")
         if counts is not None and (sum(counts) != n_rows or max(counts, default=0) > largest_block(self.block_size)):
@@ -51,8 +51,6 @@ class WholeModel:
             full[f"state:{k}"] = v.to(full["means"].device)
         mine, _ = self._shard_full(full, self.block_size, counts)
         mine = {k: t.to(self.device) for k, t in mine.items()}
-        table = self.table  # its bounds where a fresh start's are: on the model's device
-        table.lo, table.hi, table.max_scale = (t.to(self.device) for t in (table.lo, table.hi, table.max_scale))
         for n in PARAM_NAMES:
             optimizers.optimizers[n].state.clear()  # keyed by the Parameters the checkpoint load replaced
             self._replace_param(n, mine[n], {k: mine[f"{k}:{n}"] for k in ("exp_avg", "exp_avg_sq")}, optimizers)
@@ -78,7 +76,7 @@ class WholeModel:
         columns = [state[k].reshape(n, 1).float() if isinstance(state.get(k), torch.Tensor) and state[k].shape[0] == n
                    else torch.zeros((n, 1), device=self.device) for k in STATE_KEYS]
         rows = torch.cat(columns, dim=1)
-        full = self.sharded.gather_to(0, rows) if self.env.distributed else rows
+        full = self.sharded.gather_to(0, rows, to_host=True) if self.env.distributed else rows
         evidence = None
         if self.staleness:
             mine = self.runtime.evidence_of(self.table.owned(self.env.rank).tolist())
