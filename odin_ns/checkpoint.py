@@ -121,9 +121,15 @@ def _step_of(path: Path) -> int:
 
 
 def _read(path: Path):
-    """The checkpoint's contents, or the exception that reading it raised (a truncated file, not a checkpoint)."""
+    """The checkpoint's contents, or the exception that reading it raised (a truncated file, not a checkpoint).
+    Its tensors are the file mapped into memory (copy on write), so that the ranks of a node resuming from one
+    checkpoint share its pages, each copying out only its own rows; a file in torch's older format, which cannot
+    be mapped, is read whole."""
     try:
-        return torch.load(path, map_location="cpu")
+        try:
+            return torch.load(path, map_location="cpu", mmap=True)
+        except RuntimeError:
+            return torch.load(path, map_location="cpu")
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:  # torch's zip reader: RuntimeError
         return exc
 

@@ -129,25 +129,25 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         """Cut the (identical on every rank) initial model into blocks (k-d leaves or Morton runs) and keep this
         rank's share; returns the whole model's means in block order (the view order's costs are made from them)."""
         params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-        mine, ordered = self._shard_full(params, block_size)
+        mine, order = self._shard_full(params, block_size)
         for n, value in mine.items():
             self.model.gauss_params[n] = torch.nn.Parameter(value)
         self.sharded = ShardedGaussians(self.env, self.table, self.num_rest, self.device, self.log)
         self._new_runner()
-        return ordered["means"]
+        return params["means"][order]
 
     def _shard_full(self, full: Dict[str, torch.Tensor], block_size: int,
-                    counts: Sequence[int] | None = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+                    counts: Sequence[int] | None = None) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """Lay the whole model out in blocks, assign owners, build the table; this rank's rows of every
-        tensor in `full` (parameters, or anything else with one row per Gaussian), and every row in block order.
-        With `counts` (a checkpoint's blocks: `full` is in block order) the blocks are those runs of rows instead of
-        a new cut."""
+        tensor in `full` (parameters, or anything else with one row per Gaussian), in block order, and the order
+        of every row (block order). With `counts` (a checkpoint's blocks: `full` is in block order) the blocks are
+        those runs of rows instead of a new cut. Only this rank's rows are copied (a checkpoint's whole model may
+        be a file mapped into memory)."""
         order, self.table = cut_blocks(full["means"], torch.exp(full["scales"]), block_size, self.block_cut,
                                        self.env.world_size, counts)
-        ordered = {n: p[order] for n, p in full.items()}
         block_of = torch.repeat_interleave(torch.arange(self.table.num_blocks), self.table.count)
-        mine = (self.table.owner[block_of] == self.env.rank).to(full["means"].device)
-        return {n: t[mine].contiguous() for n, t in ordered.items()}, ordered
+        rows = order[(self.table.owner[block_of] == self.env.rank).to(order.device)]
+        return {n: t[rows].contiguous() for n, t in full.items()}, order
 
     def _new_runner(self) -> None:
         self.width = self.sharded.width
