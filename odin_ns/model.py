@@ -196,7 +196,8 @@ class OdinModel(SplatfactoModel):
         return self._owner_coloured
 
     def show_snapshot(self, snapshot: Dict[str, torch.Tensor], owners: Optional[torch.Tensor]) -> "OdinModel":
-        """Rank 0 of several: the whole model (gathered from the owners) is what the viewer draws from now on.
+        """Rank 0 of several: the copy gathered from the owners (`runtime.viewer_snapshot`) is what the viewer draws
+        from now on.
         Returns a shallow copy for the viewer's render thread: its own `training` flag and snapshot, the same
         parameters and modules, so that the viewer renders beside the training steps instead of between them
         (nerfstudio's viewer flips the model to eval mode under the trainer's lock for every frame)."""

@@ -92,6 +92,10 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
     viewer_refresh_every: int = 50
     """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
+    viewer_max_gaussians: int = 0
+    """The most Gaussians of the model the live viewer's copy on rank 0 holds when training on several ranks:
+    above it each rank sends its most opaque ones, its share by its share of the model (the viewer's Odin panel
+    says how many it shows). 0: as many as a quarter of a GPU's memory holds in rows, no bound on CPU ranks."""
     seed: int = 42
     """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
 
@@ -114,6 +118,9 @@ def check_options(config: OdinPipelineConfig) -> None:
     if config.viewer_refresh_every < 1:
         raise OdinInputError(f"--pipeline.viewer-refresh-every must be at least 1 step "
                              f"(got {config.viewer_refresh_every})")
+    if config.viewer_max_gaussians < 0:
+        raise OdinInputError(f"--pipeline.viewer-max-gaussians must be 0 (a GPU's quarter) or more "
+                             f"(got {config.viewer_max_gaussians})")
     if config.max_staleness < 0:
         raise OdinInputError(f"--pipeline.max-staleness must be 0 or more (got {config.max_staleness})")
     if not 0.0 <= config.admit_overlap <= 1.0:
@@ -188,7 +195,8 @@ class OdinPipeline(VanillaPipeline):
         self._owner_colours = False  # the panel's toggle; only the viewer's copy draws in owner colours
 
     def show_snapshot(self, snapshot, owners):
-        """Rank 0 of several: the gathered whole model (and each row's owner) is what the viewer draws now."""
+        """Rank 0 of several: the gathered copy of the model (`runtime.viewer_snapshot`: the whole model, or its most
+        opaque Gaussians within the viewer's bound) and each row's owner is what the viewer draws now."""
         view = self.model.show_snapshot(snapshot, owners)
         view.colour_by_owner = self._owner_colours
         self.__dict__["viewer_model"] = view  # not a sub-module: the pipeline's state dict stays the model's

@@ -32,6 +32,7 @@ from odin_ns.runtime.dist_env import init_distributed
 from odin_ns.runtime.eval_splats import EvalSplats
 from odin_ns.runtime.stats_file import write_stats
 from odin_ns.runtime.stop_request import EXIT_INTERRUPTED, StopRequest
+from odin_ns.runtime.viewer_snapshot import gather_for_viewer, viewer_limit
 from odin_ns.schedule.phase_planner import eval_intervals
 from odin_ns.viewer_panel import panel_of, window_shares
 
@@ -201,7 +202,9 @@ class OdinTrainer(Trainer):
     def _refresh_viewer(self, step: int) -> None:
         """Collective, every viewer refresh: the whole model to rank 0 (what its viewer draws until the next one)
         and every rank's shares of the window since the last refresh (the Odin panel)."""
-        snapshot = self.engine.gather_full()
+        engine = self.engine
+        limit = viewer_limit(self.config.pipeline.viewer_max_gaussians, engine.device, engine.num_rest)
+        snapshot, owners, shown, total = gather_for_viewer(engine, limit)
         records = self.engine.log.records
         window = [r.to_dict() for r in records[self._window_start:-1]]  # closed steps only
         self._window_start = max(0, len(records) - 1)
@@ -209,7 +212,6 @@ class OdinTrainer(Trainer):
         dist.all_gather_object(shares, window_shares(window))
         if self.env.rank != 0:
             return
-        owners = torch.repeat_interleave(self.engine.table.owner, self.engine.table.count)
         first = self.pipeline.viewer_model is None
         self.pipeline.show_snapshot(snapshot, owners)
         if first and self.viewer_state is not None:
@@ -222,7 +224,7 @@ class OdinTrainer(Trainer):
             plan = self.engine.plan
             phase = (f"phase {self.engine.plans_made}: steps {plan.start}-{plan.stop - 1}" if plan is not None
                      else f"phase {self.engine.plans_made} ended" if self.engine.plans_made else "not started")
-            panel.show(step, phase, shares)
+            panel.show(step, phase, shares, shown, total)
 
     def _evaluates(self, step: int) -> bool:
         """An evaluation runs after this step (one that ends its phase: `PhaseRules.of_trainer`)."""

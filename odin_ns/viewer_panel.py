@@ -105,6 +105,9 @@ class OdinPanel(torch.nn.Module):
             f"{r} #{''.join(f'{int(255 * c):02x}' for c in self.palette[r])}" for r in range(world_size)) + ")",
             disabled=True)
         self.phase = ViewerText("Phase", "starting", disabled=True)
+        self.shown = ViewerText("Gaussians shown", "-", disabled=True,
+                                hint="the viewer draws a copy of the model on rank 0, at most "
+                                     "--pipeline.viewer-max-gaussians of it (refreshed with the model)")
         self.stale = ViewerText("Stale reads admitted", "0 blocks" if entry.stale_reads else "none (exact)",
                                 disabled=True)
         self.stale_reads = entry.stale_reads
@@ -114,9 +117,12 @@ class OdinPanel(torch.nn.Module):
         self.shares = ViewerPlotly("Render / wait", bar_chart([window_shares([])] * world_size))
         self.stale_total = 0
 
-    def show(self, step: int, phase: str, shares_by_rank: List[Dict[str, float]]) -> None:
-        """Rank 0, at a viewer refresh: the window's figures of every rank."""
+    def show(self, step: int, phase: str, shares_by_rank: List[Dict[str, float]], shown: int = 0,
+             total: int = 0) -> None:
+        """Rank 0, at a viewer refresh: the window's figures of every rank, and how many of the model's Gaussians
+        the viewer draws (`runtime.viewer_snapshot`)."""
         self.phase.value = f"{phase} (step {step})"
+        self.shown.value = f"{shown:,} of {total:,}" + (" (the most opaque)" if shown < total else " (all)")
         for r, shares in enumerate(shares_by_rank):
             self.rank_rows[r].value = describe(shares)
         self.stale_total += sum(s["stale_admitted"] for s in shares_by_rank)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from block_tables import rows_of, table_of
 from gloo_ranks import run_ranks
 
 from odin_ns.render import rasterization_cpu
 from odin_ns.render.projection import RowCameras, partition_free
 from odin_ns.render.splats import rasterize_splats
-from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.eval_splats import EvalSplats
 from odin_ns.runtime.sharded import PARAM_NAMES
 from odin_ns.runtime.view_projection import project_rows
@@ -53,13 +53,7 @@ K = torch.tensor([[30.0, 0, W / 2], [0, 30.0, H / 2], [0, 0, 1]])
 
 def _rank(rank: int, world: int, results) -> None:
     torch.set_num_threads(1)
-    whole = _model()
-    starts = [sum(COUNT[:b]) for b in range(len(COUNT))]
-    mine = [torch.arange(starts[b], starts[b] + COUNT[b]) for b in range(len(COUNT)) if OWNER[b] == rank]
-    rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
-    B = len(COUNT)
-    table = BlockTable(owner=torch.tensor(OWNER), count=torch.tensor(COUNT), lo=torch.zeros(B, 3),
-                       hi=torch.zeros(B, 3), max_scale=torch.zeros(B), version=torch.zeros(B, dtype=torch.int64))
+    whole, table, rows = _model(), table_of(OWNER, COUNT), rows_of(OWNER, COUNT, rank)
     model = SimpleNamespace(gauss_params={n: whole[n][rows] for n in PARAM_NAMES},
                             config=SimpleNamespace(rasterize_mode="classic"))
     engine = SimpleNamespace(model=model, table=table, env=SimpleNamespace(rank=rank, world_size=world),

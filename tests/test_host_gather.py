@@ -11,10 +11,10 @@ import weakref
 from types import SimpleNamespace
 
 import torch
+from block_tables import rows_of, table_of
 from gloo_ranks import run_ranks
 
 from odin_ns.runtime import sharded
-from odin_ns.runtime.block_table import BlockTable
 from odin_ns.runtime.sharded import ShardedGaussians
 from odin_ns.runtime.waits import WaitLog
 
@@ -32,12 +32,7 @@ class OnDevice(torch.Tensor):
 
 def _rank(rank: int, world: int, results) -> None:
     whole = torch.arange(sum(COUNT) * WIDTH, dtype=torch.float32).reshape(-1, WIDTH)
-    starts = [sum(COUNT[:b]) for b in range(len(COUNT))]
-    mine = [whole[starts[b]:starts[b] + COUNT[b]] for b in range(len(COUNT)) if OWNER[b] == rank]
-    rows = torch.cat(mine) if mine else whole[:0]
-    B = len(COUNT)
-    table = BlockTable(owner=torch.tensor(OWNER), count=torch.tensor(COUNT), lo=torch.zeros(B, 3),
-                       hi=torch.zeros(B, 3), max_scale=torch.zeros(B), version=torch.zeros(B, dtype=torch.int64))
+    rows, table = whole[rows_of(OWNER, COUNT, rank)], table_of(OWNER, COUNT)
     gatherer = ShardedGaussians(SimpleNamespace(rank=rank, world_size=world), table, 15, torch.device("cpu"),
                                 WaitLog(rank))
     peers_per_transfer, earlier_alive, received = [], [], []

@@ -162,6 +162,8 @@ def test_the_odin_panel_shows_the_distribution_live(tmp_path):
         for label in ("Policy", "Phase", "Rank 0", "Rank 1", "Ranks", "Stale reads admitted"):
             assert field(driver, label) is not None, label
         assert field(driver, "Policy").startswith("odin-throughput")
+        # CPU ranks: no bound on the viewer's copy by default, so it is the whole model
+        assert (field(driver, "Gaussians shown") or "").endswith(" (all)"), field(driver, "Gaussians shown")
         assert driver.find_elements(By.XPATH, "//label[text()='Colour by owning rank']")
         assert driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot"), "no render/wait chart"
         assert "rank 0" in driver.find_element(By.CSS_SELECTOR, ".js-plotly-plot").text

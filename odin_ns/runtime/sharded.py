@@ -95,6 +95,8 @@ class ShardedGaussians:
         parts, cursors = [], {p: 0 for p in range(self.env.world_size)}
         for b in range(table.num_blocks):
             p, n = int(table.owner[b]), int(table.count[b])
+            if n == 0:  # (a rank whose blocks are all empty sent nothing)
+                continue
             source = own if p == root else received[p]
             parts.append(source[cursors[p]:cursors[p] + n])
             cursors[p] += n
