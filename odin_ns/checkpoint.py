@@ -9,6 +9,8 @@ rank that dies mid-save never leaves a torn checkpoint: the last complete one st
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Dict
 
@@ -121,17 +123,27 @@ def _step_of(path: Path) -> int:
 
 
 def _read(path: Path):
-    """The checkpoint's contents, or the exception that reading it raised (a truncated file, not a checkpoint).
-    Its tensors are the file mapped into memory (copy on write), so that the ranks of a node resuming from one
-    checkpoint share its pages, each copying out only its own rows; a file in torch's older format, which cannot
-    be mapped, is read whole."""
+    """The checkpoint's contents, or the exception that reading it raised (a truncated file, not a checkpoint, one
+    whose objects torch's safe loading refuses). Its tensors are the file mapped into memory (copy on write), so
+    that the ranks of a node resuming from one checkpoint share its pages, each copying out only its own rows
+    (what the run keeps of it is copied: `unmapped`); a file in torch's older format, which cannot be mapped, is
+    read whole."""
     try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True)
-        except RuntimeError:
-            return torch.load(path, map_location="cpu")
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:  # torch's zip reader: RuntimeError
-        return exc
+        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+        return exc  # torch's zip reader raises RuntimeError; its safe loading UnpicklingError
+
+
+def unmapped(obj):
+    """`obj` with every tensor in it copied out of the checkpoint's mapped file (what a run keeps of a checkpoint
+    beyond its own rows: another optimizer's state), so that the run holds none of the file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: unmapped(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(unmapped(v) for v in obj)
+    return obj
 
 
 def load_checkpoint_state(config, say=print):

@@ -117,7 +117,7 @@ class OdinModel(SplatfactoModel):
         self._populate_common()
         self.gauss_params = torch.nn.ParameterDict(gauss_params)
         self.engine = None  # the distributed engine (odin_ns.runtime.engine), attached by the pipeline for training
-        self.full_snapshot: Optional[Dict[str, torch.Tensor]] = None  # the whole model, on rank 0 of several
+        self.full_snapshot: Optional[Dict[str, torch.Tensor]] = None  # the viewer's copy, on rank 0 of several
         # while rank 0 of several evaluates: (viewmat, K, width, height, SH degree) -> every owner's splats, in the
         # order one process renders them (`runtime.eval_splats.EvalSplats.request`)
         self.eval_splats: Optional[Callable] = None
@@ -177,8 +177,8 @@ class OdinModel(SplatfactoModel):
     def gaussians_for_view(self, camera: Cameras) -> Dict[str, torch.Tensor]:
         """The Gaussian parameters a view renders.
 
-        Outside training on one of several ranks, the last gathered snapshot of the whole model; otherwise this
-        process's Parameters (the whole model alone).
+        Outside training on one of several ranks, the last gathered copy of the model (`runtime.viewer_snapshot`);
+        otherwise this process's Parameters (the whole model alone).
         """
         if not self.training and self.full_snapshot is not None:
             if self.colour_by_owner and self.snapshot_owners is not None:

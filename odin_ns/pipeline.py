@@ -91,11 +91,12 @@ class OdinPipelineConfig(VanillaPipelineConfig):
     """Owners also verify, every step, by projecting every Gaussian of every block a view did not read, that none
     is visible (counted as read_set_misses; costly: for tests and debugging)."""
     viewer_refresh_every: int = 50
-    """Steps between refreshes of the whole model the live viewer shows when training on several ranks."""
+    """Steps between refreshes of the copy of the model the live viewer shows when training on several ranks."""
     viewer_max_gaussians: int = 0
     """The most Gaussians of the model the live viewer's copy on rank 0 holds when training on several ranks:
     above it each rank sends its most opaque ones, its share by its share of the model (the viewer's Odin panel
-    says how many it shows). 0: as many as a quarter of a GPU's memory holds in rows, no bound on CPU ranks."""
+    says how many it shows). 0: as many as a sixteenth of a GPU's memory holds in rows (a refresh holds about
+    four copies at its peak), no bound on CPU ranks."""
     seed: int = 42
     """Seed of the initial model and of per-view randomness (the odin trainer sets it from --machine.seed)."""
 

@@ -24,7 +24,7 @@ from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from odin_ns.checkpoint import (check_same_recipe, check_same_scene, load_checkpoint_state, scene_identity,
-                                write_full_checkpoint)
+                                unmapped, write_full_checkpoint)
 from odin_ns.errors import OdinInputError
 from odin_ns.pipeline import OdinPipeline
 from odin_ns.recipe import apply_recipe, recipe_rows
@@ -200,7 +200,8 @@ class OdinTrainer(Trainer):
         return loss.detach(), {k: v.detach() for k, v in loss_dict.items()}, metrics_dict
 
     def _refresh_viewer(self, step: int) -> None:
-        """Collective, every viewer refresh: the whole model to rank 0 (what its viewer draws until the next one)
+        """Collective, every viewer refresh: a copy of the model to rank 0, the whole model or its most opaque
+        Gaussians within the viewer's bound (`runtime.viewer_snapshot`: what its viewer draws until the next one),
         and every rank's shares of the window since the last refresh (the Odin panel)."""
         engine = self.engine
         limit = viewer_limit(self.config.pipeline.viewer_max_gaussians, engine.device, engine.num_rest)
@@ -253,8 +254,8 @@ class OdinTrainer(Trainer):
 
     def _load_checkpoint(self) -> None:
         """nerfstudio's `--load-dir` / `--load-checkpoint`, for a checkpoint of the whole model on any rank count:
-        every rank reads it into host memory, nerfstudio's load takes the rest, and the engine puts the rank's own
-        Gaussians with their Adam moments on its device."""
+        every rank maps its file into memory, nerfstudio's load takes all but the Gaussians, and the engine puts the
+        rank's own Gaussians with their Adam moments on its device."""
         found = load_checkpoint_state(self.config, say=self._say)
         if found is None:
             CONSOLE.print("No Nerfstudio checkpoint to load, so training from scratch.")
@@ -281,8 +282,8 @@ class OdinTrainer(Trainer):
                 saved = (opt_state.get("param_groups") or [{}])[0]
                 live = self.optimizers.optimizers[group].param_groups[0]
                 live.update({k: v for k, v in saved.items() if k != "params" and k in live})
-            elif group in self.optimizers.optimizers:
-                self.optimizers.optimizers[group].load_state_dict(opt_state)
+            elif group in self.optimizers.optimizers:  # (torch keeps the loaded state's tensors where it can)
+                self.optimizers.optimizers[group].load_state_dict(unmapped(opt_state))
         self.engine.adopt_full_model(gaussian_groups, self.optimizers, state.get("odin", {}).get("resume"), full)
         if "schedulers" in state and self.config.load_scheduler:
             self.optimizers.load_schedulers(state["schedulers"])

@@ -59,16 +59,23 @@ def test_the_viewer_gets_the_whole_model_below_its_bound_and_the_most_opaque_abo
         assert all(snapshot[n] == whole[n].tolist() for n in PARAM_NAMES)
         assert owners == [2] * 4 + [0] * 3 + [0] * 4 + [2] * 4
     snapshot, owners, shown, total = results[6]
-    assert shares(6, (7, 0, 8)) == (2, 0, 3) and (shown, total) == (5, 15)
-    assert owners == [0, 0, 2, 2, 2]
+    # 6 x 7/15 = 2.8 and 6 x 8/15 = 3.2: rounded down, the one left to the rank whose share lost most
+    assert shares(6, (7, 0, 8)) == (3, 0, 3) and (shown, total) == (6, 15)
+    assert owners == [0, 0, 0, 2, 2, 2]
     opacity = whole["opacities"].reshape(-1)
     mine = {0: torch.tensor([4, 5, 6, 7, 8, 9, 10]), 2: torch.tensor([0, 1, 2, 3, 11, 12, 13, 14])}
     expected = []
-    for r, k in ((0, 2), (2, 3)):  # each rank's most opaque rows, in its order
+    for r, k in ((0, 3), (2, 3)):  # each rank's most opaque rows, in its order
         top = mine[r][torch.topk(opacity[mine[r]], k).indices.sort().values]
         expected.append(top)
     expected = torch.cat(expected)
     assert all(snapshot[n] == whole[n][expected].tolist() for n in PARAM_NAMES)
+
+
+def test_shares_add_up_to_the_bound_and_never_pass_a_ranks_rows():
+    assert shares(1, (7, 0, 8)) == (0, 0, 1)  # one Gaussian shown, not none
+    assert shares(2, (1, 1, 1)) == (1, 1, 0) and shares(14, (7, 0, 8)) == (7, 0, 7)
+    assert shares(5, (1, 0, 9)) == (1, 0, 4)  # 0.5 + 4.5: a rank gets no more than it owns
 
 
 def test_the_bound_by_default_is_none_on_cpu_ranks_and_a_negative_one_is_refused():

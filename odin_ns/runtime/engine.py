@@ -141,8 +141,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         """Lay the whole model out in blocks, assign owners, build the table; this rank's rows of every
         tensor in `full` (parameters, or anything else with one row per Gaussian), in block order, and the order
         of every row (block order). With `counts` (a checkpoint's blocks: `full` is in block order) the blocks are
-        those runs of rows instead of a new cut. Only this rank's rows are copied (a checkpoint's whole model may
-        be a file mapped into memory)."""
+        those runs of rows instead of a new cut. Of the tensors in `full` only this rank's rows are copied (a
+        checkpoint's whole model may be a file mapped into memory; the cut reads the means and scales)."""
         order, self.table = cut_blocks(full["means"], torch.exp(full["scales"]), block_size, self.block_cut,
                                        self.env.world_size, counts)
         block_of = torch.repeat_interleave(torch.arange(self.table.num_blocks), self.table.count)

@@ -4,8 +4,10 @@ nerfstudio's viewer renders on rank 0 at any moment, beside the steps, so it dra
 the trainer's refreshes (`OdinTrainer._refresh_viewer`). A copy of the whole model on rank 0's device is what
 sharding exists to avoid for a scene no device holds: above `--pipeline.viewer-max-gaussians` each rank sends its
 most opaque Gaussians, its share of the bound by its share of the model, and the viewer draws those (the panel says
-how many of how many). The bound by default (0) is a quarter of a GPU's memory in rows, and none on CPU ranks,
-whose device is the host's memory. Below the bound the snapshot is the whole model in block order, as before.
+how many of how many). The bound by default (0) is a sixteenth of a GPU's memory in packed rows (a refresh holds
+about four copies at its peak: the parts received, their concatenation, the parameters made contiguous, the
+previous copy the viewer still draws), and none on CPU ranks, whose device is the host's memory; the ranks agree on
+the smallest of theirs. Below the bound the snapshot is the whole model in block order, as before.
 """
 
 from __future__ import annotations
@@ -13,26 +15,45 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from odin_ns.runtime.projection_memory import AUTO_SHARE, device_memory
+from odin_ns.runtime.projection_memory import device_memory
 from odin_ns.runtime.sharded import PARAM_NAMES, pack_params, row_width, unpack_params
-from odin_ns.runtime.transport import exchange
+from odin_ns.runtime.transport import comm_device, exchange
+
+VIEWER_SHARE = 1 / 16  # of a GPU's memory, the default bound's copy of packed rows (see the module docstring)
 
 
 def viewer_limit(configured: int, device: torch.device, num_rest: int) -> Optional[int]:
-    """The most Gaussians a snapshot holds (None: no bound): `configured`, or for 0 a quarter of a GPU's memory
-    in packed rows (none on the CPU)."""
-    if configured > 0:
-        return configured
+    """The most Gaussians a snapshot holds (None: no bound): `configured`, or for 0 a sixteenth of a GPU's memory
+    in packed rows (none on the CPU). On several ranks, collective: the smallest of the ranks' (GPUs may differ)."""
     memory = device_memory(device)
-    return None if memory is None else int(AUTO_SHARE * memory) // (4 * row_width(num_rest))
+    limit = configured if configured > 0 else None if memory is None else int(
+        VIEWER_SHARE * memory) // (4 * row_width(num_rest))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return limit
+    unbounded = torch.iinfo(torch.int64).max
+    agreed = torch.tensor([unbounded if limit is None else limit], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    value = int(agreed.item())
+    return None if value == unbounded else value
 
 
 def shares(limit: int, owned: Tuple[int, ...]) -> Tuple[int, ...]:
-    """Each rank's rows in a snapshot of at most `limit` Gaussians: its share of the bound by its share of the
-    model (every rank computes the same from the table)."""
+    """Each rank's rows in a snapshot of `limit` Gaussians (fewer than the model's): its share of the bound by its
+    share of the model, rounded down, and what the rounding left one more each to the ranks it took most from
+    (ties to the lower rank), never more than a rank owns; every rank computes the same from the table."""
     total = sum(owned)
-    return tuple(limit * n // total if total else 0 for n in owned)
+    base = [limit * n // total if total else 0 for n in owned]
+    left = limit - sum(base)
+    order = sorted(range(len(owned)), key=lambda r: (-(limit * owned[r] % total) if total else 0, r))
+    for r in order:
+        if left == 0:
+            break
+        if base[r] < owned[r]:
+            base[r] += 1
+            left -= 1
+    return tuple(base)
 
 
 def gather_for_viewer(engine, limit: Optional[int]
