@@ -129,9 +129,21 @@ def _read(path: Path):
     (what the run keeps of it is copied: `unmapped`); a file in torch's older format, which cannot be mapped, is
     read whole."""
     try:
-        return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
+        with torch.serialization.safe_globals(_numpy_scalars()):
+            return torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path))
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         return exc  # torch's zip reader raises RuntimeError; its safe loading UnpicklingError
+
+
+def _numpy_scalars() -> list:
+    """What torch's safe loading must also accept in a plain splatfacto checkpoint: numpy's float64 learning rates,
+    which nerfstudio's schedulers leave in its optimizers' and schedulers' state (this project's own checkpoints
+    hold Python numbers instead: `plain`)."""
+    try:
+        from numpy.core.multiarray import scalar
+    except ImportError:  # numpy 2
+        from numpy._core.multiarray import scalar
+    return [scalar, np.dtype, type(np.dtype(np.float64))]
 
 
 def unmapped(obj):
