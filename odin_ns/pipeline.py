@@ -120,7 +120,7 @@ def check_options(config: OdinPipelineConfig) -> None:
         raise OdinInputError(f"--pipeline.viewer-refresh-every must be at least 1 step "
                              f"(got {config.viewer_refresh_every})")
     if config.viewer_max_gaussians < 0:
-        raise OdinInputError(f"--pipeline.viewer-max-gaussians must be 0 (a GPU's quarter) or more "
+        raise OdinInputError(f"--pipeline.viewer-max-gaussians must be 0 (a sixteenth of a GPU) or more "
                              f"(got {config.viewer_max_gaussians})")
     if config.max_staleness < 0:
         raise OdinInputError(f"--pipeline.max-staleness must be 0 or more (got {config.max_staleness})")

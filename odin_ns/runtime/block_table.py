@@ -48,6 +48,10 @@ class BlockTable:
             start += n
         return ranges
 
+    def first_places(self) -> torch.Tensor:
+        """[B] each block's first row in the whole model (its blocks in id order)."""
+        return torch.cumsum(self.count, 0) - self.count
+
     def num_owned_gaussians(self, rank: int) -> int:
         return int(self.count[self.owner == rank].sum())
 

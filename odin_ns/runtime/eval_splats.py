@@ -44,11 +44,10 @@ class EvalSplats:
         self.antialiased = self.model.config.rasterize_mode == "antialiased"
         self.renders = 0
         table, rank = engine.table, engine.env.rank
-        starts = torch.cumsum(table.count, 0) - table.count  # each block's first place in the whole model
         owned = table.owned(rank)
         # this rank's rows in the whole model: its blocks' places, in the order it holds them
-        self.places = expand_ranges(starts[owned], table.count[owned], table.num_owned_gaussians(rank)).to(
-            engine.device)
+        self.places = expand_ranges(table.first_places()[owned], table.count[owned],
+                                    table.num_owned_gaussians(rank)).to(engine.device)
 
     def request(self, viewmat: torch.Tensor, K: torch.Tensor, width: int, height: int, sh_degree: Optional[int]
                 ) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,7 @@ class SplatPath(SplatReader):
         """A phase's arrays: each block's first row at its owner and in the whole model's block order."""
         self.plan, self.owner, self.count = plan, table.owner, table.count
         self.home_start = home_start
-        self.global_start = torch.cumsum(self.count, 0) - self.count
+        self.global_start = table.first_places()
         self.mine = self.owner == self.env.rank
         # each rank's blocks, ascending (a publication counts its splats per block of the owner: the reader's keys)
         self.blocks_of = [torch.nonzero(self.owner == o).flatten() for o in range(self.env.world_size)]

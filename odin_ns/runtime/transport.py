@@ -101,8 +101,7 @@ class Channels:
 
     The channels have a process group of their own (`group`: every rank, made once at start-up): collectives (the
     barrier's; the trainer's whole-model gathers and evaluations, which on several ranks run only at a phase's end)
-    run on the default group and
-    so never come between two messages of a pair that the order matches."""
+    run on the default group and so never come between two messages of a pair that the order matches."""
 
     def __init__(self, device: torch.device, log: WaitLog, group=None):
         self.device = device

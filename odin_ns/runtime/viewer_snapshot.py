@@ -26,17 +26,19 @@ VIEWER_SHARE = 1 / 16  # of a GPU's memory, the default bound's copy of packed r
 
 def viewer_limit(configured: int, device: torch.device, num_rest: int) -> Optional[int]:
     """The most Gaussians a snapshot holds (None: no bound): `configured`, or for 0 a sixteenth of a GPU's memory
-    in packed rows (none on the CPU). On several ranks, collective: the smallest of the ranks' (GPUs may differ)."""
+    in packed rows (none on the CPU). A bound from GPU memory is collective on several ranks: the smallest of the
+    ranks' (GPUs may differ; the option and the device type are every rank's same)."""
+    if configured > 0:
+        return configured
     memory = device_memory(device)
-    limit = configured if configured > 0 else None if memory is None else int(
-        VIEWER_SHARE * memory) // (4 * row_width(num_rest))
+    if memory is None:
+        return None
+    limit = int(VIEWER_SHARE * memory) // (4 * row_width(num_rest))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return limit
-    unbounded = torch.iinfo(torch.int64).max
-    agreed = torch.tensor([unbounded if limit is None else limit], dtype=torch.int64, device=comm_device())
+    agreed = torch.tensor([limit], dtype=torch.int64, device=comm_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    value = int(agreed.item())
-    return None if value == unbounded else value
+    return int(agreed.item())
 
 
 def shares(limit: int, owned: Tuple[int, ...]) -> Tuple[int, ...]:
