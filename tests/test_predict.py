@@ -67,14 +67,34 @@ def test_the_published_calibration_reproduces_gsplats_training_times():
         assert abs(model - ms) / ms < 0.16, (scene, model, ms)
 
 
+def test_grendels_model_shares_a_steps_renders_evenly_among_the_ranks():
+    """The peer model's balancer at its best: every rank renders the step's mean; on the barrier's lists with
+    views of alternating cost that takes the wait for the slow view away (10 s -> 7.5 s, the ideal), and a step's
+    update and overhead stay each rank's own."""
+    from odin_ns.schedule.peer_model import balanced_costs
+    from odin_ns.schedule.simulate import Costs, simulate
+
+    plan = _jitter_plan(barrier=True)
+    slow = {(t, r): 1.0 if t % 2 == r else 0.5 for t in range(10) for r in range(2)}
+    costs = Costs(render=lambda v: 0.0, update=0.0, latency=0.0, phase=0.0,
+                  measured=lambda t, r: (tuple(plan.rank_views(t, r)), slow[(t, r)], 0.1 * r, 0.0))
+    assert simulate([plan], costs).wall_s == pytest.approx(10.0 + 1.0)  # rank 1's updates, 0.1 s a step
+    even = balanced_costs(costs, 2)
+    assert even.measured(3, 0) == ((6,), 0.75, 0.0, 0.0) and even.measured(3, 1) == ((7,), 0.75, 0.1, 0.0)
+    assert simulate([plan], even).wall_s == pytest.approx(7.5 + 1.0)
+    with pytest.raises(ValueError):
+        balanced_costs(Costs(render=lambda v: 1.0), 2)
+
 @pytest.mark.skipif(not (SHARED_DATA / "garden_points.npz").exists(), reason="needs ../shared/data")
 def test_predict_replays_every_policy_on_the_garden(tmp_path):
     from odin_ns.cli.bench import main
 
     out = tmp_path / "predict.json"
     assert main(["predict", "--ranks", "4", "--scenes", "garden", "--steps", "20", "--json", str(out),
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path), "--peer"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
+    for p in row["policies"].values():  # against Grendel-GS's model, replayed on nerfstudio's random order
+        assert math.isclose(p["speedup_over_peer"], p["views_per_s"] / row["peer"]["views_per_s"])
     policies = row["policies"]
     assert set(policies) == {"odin-barrier", "odin", "odin-throughput"} and row["gaussians"] == 5.84e6
     assert policies["odin-barrier"]["speedup"] == 1.0

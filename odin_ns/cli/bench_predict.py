@@ -2,7 +2,7 @@
 
     odin-bench predict [--ranks 8,16] [--scenes city,city-aerial,fox,garden] [--link pcie] [--gpu published]
                        [--steps 100] [--micro-batch 2] [--json FILE] [--out DIR]
-    odin-bench predict --ranks 64 --scenes matrixcity
+    odin-bench predict --ranks 64 --scenes matrixcity --peer      # and over Grendel-GS's model
     odin-bench predict --ranks 1,4,8 --gpu h200 --link nvlink       # time to 30000 views against one GPU
 
 For each rank count and scene it builds the plan a run would make (the built-in scenes and the fox through the
@@ -34,6 +34,7 @@ from odin_ns.cli.bench import DEFAULT_FOX, QUIET_RUN, SCENES
 from odin_ns.runtime.projection_memory import GRAPH_ROW_BYTES, keep_budget
 from odin_ns.schedule.gpu_costs import DATA_PATHS, GPUS, describe, gpu_costs, pair_rows
 from odin_ns.schedule.links import LINKS, link as link_named
+from odin_ns.schedule.peer_model import MODEL as PEER_MODEL
 from odin_ns.schedule.policies import POLICIES
 
 GARDEN = DEFAULT_FOX.parent / "garden_points.npz"
@@ -45,8 +46,10 @@ SCENE_SIZE = {"city": (3.24e6, 1297 * 840), "city-aerial": (3.24e6, 1297 * 840),
 BARRIER = next(p.method for p in POLICIES.values() if p.barrier)
 
 
-def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_batch: int):
-    """The scene's plans on `ranks` ranks, with blocks small enough for every rank to own several."""
+def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_batch: int,
+                   view_order: str = "odin"):
+    """The scene's plans on `ranks` ranks, with blocks small enough for every rank to own several, the views in
+    `view_order` (Odin's, or nerfstudio's random order)."""
     if scene in ("garden", "matrixcity"):
         from odin_ns.schedule import predict_scenes
         from odin_ns.schedule.geometry_plan import preview_from_geometry
@@ -61,7 +64,7 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
         block_size = max(64, min(4096, points // (ranks * 32)))
         return preview_from_geometry(geo["means"], geo["scales"], geo["viewmats"], geo["Ks"], geo["width"],
                                      geo["height"], ranks, steps, block_size, micro_batch=micro_batch,
-                                     phase_length=phase_length, pixels=SCENE_SIZE[scene][1])
+                                     phase_length=phase_length, pixels=SCENE_SIZE[scene][1], view_order=view_order)
     from odin_ns.cli.schedule import _method_config
     from odin_ns.schedule.preview import build_preview
 
@@ -76,7 +79,8 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
     # a run as the benchmarks make them: no viewer and no evaluation, each a collective on the default group
     # (a whole-model gather to rank 0, renders from every owner's splats) that ends its phase on several ranks
     config = _method_config(["odin", *QUIET_RUN, "--pipeline.phase-length", str(phase_length), "--pipeline.block-size",
-                             str(64 if ranks > 4 else 256), "--pipeline.micro-batch", str(micro_batch)] + args)
+                             str(64 if ranks > 4 else 256), "--pipeline.micro-batch", str(micro_batch),
+                             "--pipeline.view-order", view_order] + args)
     preview = build_preview(config, ranks, steps)
     preview.pixels = [SCENE_SIZE[scene][1]] * preview.num_views
     return preview
@@ -84,28 +88,47 @@ def _scene_preview(scene: str, ranks: int, steps: int, phase_length: int, micro_
 
 def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase_length: int = 25,
                   gaussians: Optional[float] = None, micro_batch: int = 1, data_path: str = "splats",
-                  projection_memory: str = "auto", projection_budget_mb: Optional[float] = None) -> Dict:
+                  projection_memory: str = "auto", projection_budget_mb: Optional[float] = None,
+                  peer: bool = False) -> Dict:
+    """Every policy's replay of `scene` on `ranks` GPUs; with `peer`, also Grendel-GS's model
+    (`schedule.peer_model`) on the same scene, GPU and link, and every policy's speed-up over it."""
     from odin_ns.cli.schedule import predictions
 
-    preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch)
-    target = gaussians or SCENE_SIZE[scene][0]
-    scale = target / max(sum(preview.block_counts), 1)
-    plans = preview.policy_plans()
-    stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
     # auto's budget: a share of the GPU model's memory on several, as the runtime's of the GPU it runs on, none on
     # one GPU (plain training's graphs)
     budget = keep_budget(projection_memory, projection_budget_mb, GPUS[gpu].memory_bytes, ranks)
-    costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale, GPUS[gpu],
-                      link_named(link), preview.visible, data_path, stale_plans=stale, keep_budget=budget)
+
+    def replay(view_order: str):
+        preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch, view_order)
+        scale = (gaussians or SCENE_SIZE[scene][0]) / max(sum(preview.block_counts), 1)
+        plans = preview.policy_plans()
+        stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
+        costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
+                          GPUS[gpu], link_named(link), preview.visible, data_path, stale_plans=stale,
+                          keep_budget=budget)
+        views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
+        return preview, plans, costs, scale, views
+
+    preview, plans, costs, scale, views = replay("odin")
+    target = gaussians or SCENE_SIZE[scene][0]
     pred = predictions(plans, costs)
     peak = peak_bytes(plans[BARRIER], costs, scale, budget)
-    views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
     for p in pred.values():
         p["views_per_s"] = views / p["wall_s"]
         p["ideal_speedup"] = pred[BARRIER]["wall_s"] / p["ideal_s"]
-    return {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
-            "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "data_path": data_path,
-            "policies": pred, "peak_bytes_per_rank": max(peak), "one_gpu_bytes": ROW_BYTES * 3 * target}
+    row = {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
+           "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "data_path": data_path,
+           "policies": pred, "peak_bytes_per_rank": max(peak), "one_gpu_bytes": ROW_BYTES * 3 * target}
+    if peer:
+        from odin_ns.schedule.peer_model import balanced_costs
+        from odin_ns.schedule.simulate import simulate
+
+        _, random_plans, random_costs, _, random_views = replay("random")
+        wall = simulate(random_plans[BARRIER], balanced_costs(random_costs, ranks)).wall_s
+        row["peer"] = {"views_per_s": random_views / wall}
+        for p in pred.values():
+            p["speedup_over_peer"] = p["views_per_s"] / row["peer"]["views_per_s"]
+    return row
 
 
 ROW_BYTES = 4 * 59  # a Gaussian's packed parameters at SH degree 3 (Adam's two moments hold the same again twice)
@@ -164,20 +187,27 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
     path = rows[0].get("data_path", "rows") if rows else "rows"
     table = Table(title=f"predicted: {gpu} GPUs, {link} link, {mb} view(s) per rank per step, messages of {path}; "
                         "views/s and against odin-barrier")
+    peer = any("peer" in r for r in rows)
     for col in ("ranks", "scene", "Gaussians", "blocks", "policy", "views/s", "speed-up", "ideal", "wait hidden",
-                f"{views} views in", "vs 1 GPU", "peak GB/rank"):
+                f"{views} views in", "vs 1 GPU", "peak GB/rank") + (("vs Grendel-GS model",) if peer else ()):
         table.add_column(col, justify="right")
     for r in rows:
+        head = (str(r["ranks"]), r["scene"], f"{r['gaussians'] / 1e6:.2f}M", str(r["blocks"]))
         for name, p in r["policies"].items():
-            table.add_row(str(r["ranks"]), r["scene"], f"{r['gaussians'] / 1e6:.2f}M", str(r["blocks"]), name,
+            table.add_row(*head, name,
                           f"{p['views_per_s']:.1f}", f"{p['speedup']:.2f}x", f"{p['ideal_speedup']:.2f}x",
                           "-" if name == BARRIER else f"{p['wait_hidden']:.0%}",
                           f"{p['time_to_views_s'] / 60:.1f} min",
                           "-" if p.get("speedup_over_one_gpu") is None else f"{p['speedup_over_one_gpu']:.2f}x",
                           "-" if name != BARRIER or "peak_bytes_per_rank" not in r else
                           f"{r['peak_bytes_per_rank'] / 1e9:.2f} "
-                          f"({r['peak_bytes_per_rank'] / r['one_gpu_bytes']:.0%})")
-    Console(width=180).print(table)
+                          f"({r['peak_bytes_per_rank'] / r['one_gpu_bytes']:.0%})",
+                          *((f"{p['speedup_over_peer']:.2f}x",) if "peer" in r else ("-",) if peer else ()))
+        if "peer" in r:
+            v = r["peer"]["views_per_s"]
+            table.add_row(*head, PEER_MODEL, f"{v:.1f}", f"{v / r['policies'][BARRIER]['views_per_s']:.2f}x", "-",
+                          "-", f"{views / v / 60:.1f} min", "-", "-", "1.00x")
+    Console(width=200 if peer else 180).print(table)
     print("peak GB/rank: the most a rank of odin-barrier holds at a step of the replay (owned rows with Adam's "
           "moments, the step's messages, the graphs of the step's projections it keeps until its update, or, beyond "
           "the kept graphs' budget, the graph of the largest pair it projects again there), and its share of one GPU "
@@ -194,8 +224,14 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
             speed = sum(r["policies"][name]["speedup"] for r in mine) / n
             hidden = sum(r["policies"][name]["wait_hidden"] for r in mine) / n
             ideal = sum(r["policies"][name]["ideal_speedup"] for r in mine) / n
+            over = [r["policies"][name]["speedup_over_peer"] for r in mine if "peer" in r]
             print(f"{ranks} ranks, mean over {n} scene(s): {name} {speed:.2f}x barrier (ideal {ideal:.2f}x), "
-                  f"{hidden:.0%} of its wait hidden")
+                  f"{hidden:.0%} of its wait hidden"
+                  + (f"; {sum(over) / len(over):.2f}x the Grendel-GS model" if over else ""))
+    if peer:
+        print(f"{PEER_MODEL}: odin-barrier's lists on nerfstudio's random view order, each step's renders shared "
+              "evenly by the ranks (its load balancer at best), splats all-to-all (schedule/peer_model.py); it leaves "
+              "Grendel-GS's own overheads out, so a speed-up over it is a floor of the speed-up over Grendel-GS.")
 
 
 def draw(rows: List[Dict], path: Path) -> None:
@@ -259,6 +295,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--views", type=int, default=30000,
                     help="training views the time column counts (default splatfacto's 30000); with 1 among --ranks "
                          "every rank count is also compared with one GPU")
+    ap.add_argument("--peer", action="store_true",
+                    help="also replay Grendel-GS's model (schedule/peer_model.py: the barrier on nerfstudio's random "
+                         "order, a step's renders balanced over the ranks) and every policy's speed-up over it")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("odin-bench-predict"), help="folder for predict.png")
     args = ap.parse_args(argv)
@@ -278,7 +317,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"odin-bench predict: {s}, {r} ranks, {args.steps} steps", flush=True)
             rows.append(predict_scene(s, r, args.steps, args.gpu, args.link, args.phase_length, args.gaussians,
                                       args.micro_batch, args.data_path, args.projection_memory,
-                                      args.projection_budget_mb))
+                                      args.projection_budget_mb, args.peer))
     add_time_to_views(rows, args.views)
     print_rows(rows, args.gpu, args.link, args.views)
     args.out.mkdir(parents=True, exist_ok=True)
