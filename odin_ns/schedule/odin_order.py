@@ -13,10 +13,11 @@ most of the Gaussians it reads, as far as that slot's places in the epoch allow 
 share are placed first; those moved to a neighbour straddle the cut). A rank then mostly renders views of the
 blocks it owns: it sends few gradients, receives few publications, and, on the exact path, waits for another rank
 only when its next view reads blocks that rank has just updated, which happens near the cut only. Every slot
-renders the same number of views per epoch, so ranks stay balanced over an epoch as far as views' costs allow; and
-within the epoch a slot's views are placed so that the views of one step cost alike (the i-th costliest of every
-slot in the same step, the steps in a seeded random order), since where a step's views share blocks across ranks
-the exact path waits for the step's slowest view.
+renders the same number of views per epoch, and the slots then trade views until each one's mean cost per view is
+within `COST_TOLERANCE` of the epoch's (the regions hold alike numbers of Gaussians, not alike costs: a downtown's
+views see many more), giving up the least locality for it; and within the epoch a slot's views are placed so that
+the views of one step cost alike (the i-th costliest of every slot in the same step, the steps in a seeded random
+order), since where a step's views share blocks across ranks the exact path waits for the step's slowest view.
 Without regions (one slot, or `view_affinity` not given): a global batch starts with the earliest view not yet
 placed and is filled with the view from the next `window` of the permutation that shares the fewest blocks with
 the views already in it; then each step's views go to slots by decreasing cost, each to the slot with the lowest
@@ -30,6 +31,7 @@ size, so one rank with a micro-batch of N views runs the same global batches as 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -37,6 +39,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from odin_ns.scene.ownership import assign_contiguous
+
+# how far above its share of an epoch's cost (by its number of views) the costliest slot may stay
+COST_TOLERANCE = 0.05
+TRADE_PARTNERS = 8  # the cheapest slots the costliest one looks for a trade in (at most G - 1)
 
 
 @dataclass
@@ -56,6 +62,8 @@ class OdinSchedule:
     _stream: List[int] = field(default_factory=list, repr=False, compare=False)
     _steps: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
     _loads: List[float] = field(default_factory=list, repr=False, compare=False)
+    _view_cost: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _view_share: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_views < 1:
@@ -120,7 +128,56 @@ class OdinSchedule:
             k = max((k for k in range(G) if places[k] > 0), key=lambda k: (a[k], -k))
             slot_of[v] = k
             places[k] -= 1
-        return self._balanced_steps(slot_of, offset, n)
+        return self._balanced_steps(self._balanced_slots(slot_of), offset, n)
+
+    def _balanced_slots(self, slot_of: Dict[int, int]) -> Dict[int, int]:
+        """`slot_of` with the slots' summed costs balanced: regions hold alike numbers of Gaussians, not alike
+        costs (on the built-in street city at 8 ranks x 2 the costliest slot's views see 2.1x an epoch's mean, the
+        cheapest 0.14x), and a rank renders its slots' views every step, so the costliest bounds every policy.
+        While the costliest slot (by its mean cost per view: a slot renders one view a step) is more than
+        `COST_TOLERANCE` above the epoch's mean, it trades one of its views for a cheaper one of another slot: of
+        the trades that lower the larger of the two slots' costs, the one losing the least locality (the two
+        views' shares of their reads in their own slot's region, given up for the other's; a gain of locality
+        counts as none) per unit of cost it takes off (up to the slot's excess). Each slot keeps its number of
+        views; a trade lowers the costliest slot and raises none above it. Written here: no library balances a
+        partition's costs under fixed counts while keeping it near a given assignment."""
+        views = sorted(slot_of)
+        G = self.global_batch
+        if self._view_share is None:  # per view: its cost, and the share of its reads in each slot's region
+            self._view_cost = torch.tensor([float(c) for c in self.costs], dtype=torch.float64)
+            share = torch.tensor(self.view_affinity, dtype=torch.float64)
+            self._view_share = share / share.sum(dim=1, keepdim=True).clamp(min=1e-300)
+        index = torch.tensor(views, dtype=torch.int64)
+        cost, share = self._view_cost[index], self._view_share[index]
+        slot = torch.tensor([slot_of[v] for v in views], dtype=torch.int64)
+        load = torch.zeros(G, dtype=torch.float64).index_add_(0, slot, cost)
+        count = torch.zeros(G, dtype=torch.float64).index_add_(0, slot, torch.ones_like(cost))
+        target = (count * float(cost.sum()) / max(len(views), 1)).clamp(min=1e-300)
+        for _ in range(8 * len(views)):
+            level = load / target  # a slot's mean cost per view against the epoch's (what a step waits for)
+            h = int(torch.argmax(level))
+            if level[h] <= 1 + COST_TOLERANCE:
+                break
+            partners = torch.argsort(level)[:min(TRADE_PARTNERS, G - 1)]  # the cheapest slots, h not among them
+            mine = torch.nonzero(slot == h).flatten()
+            other = torch.nonzero(torch.isin(slot, partners)).flatten()
+            there = slot[other]
+            moved = cost[mine][:, None] - cost[other][None, :]  # cost [h]'s view takes off it
+            after = torch.maximum((load[h] - moved) / target[h], (load[there][None, :] + moved) / target[there])
+            gain = level[h] - after
+            useful = torch.minimum(gain, level[h] - 1)  # what it takes off, up to what is too much
+            lost = (share[mine, h][:, None] - share[mine][:, there]) + (share[other, there] - share[other, h])[None, :]
+            score = torch.where(gain > 1e-9, (lost.clamp(min=0) + 1e-6) / useful.clamp(min=1e-300),
+                                torch.full_like(gain, math.inf))
+            best = int(torch.argmin(score))
+            if not math.isfinite(float(score.flatten()[best])):
+                break
+            i, j = mine[best // len(other)], other[best % len(other)]
+            k, d = int(slot[j]), float(moved.flatten()[best])
+            slot[i], slot[j] = k, h
+            load[h] -= d
+            load[k] += d
+        return {v: int(slot[i]) for i, v in enumerate(views)}
 
     def _balanced_steps(self, slot_of: Dict[int, int], offset: int, n: int) -> List[int]:
         """The epoch's stream positions [offset, offset + n) filled with each slot's views so that the views of a
