@@ -11,9 +11,11 @@ off: every setting counts steps (nerfstudio's meaning, each step trains B views)
 The runtime's own step counts (`--pipeline.phase-length`, `--pipeline.viewer-refresh-every`) and nerfstudio's
 logging interval are not the recipe's and stay in steps; `--pipeline.model.reset-alpha-every` counts refines.
 On several ranks an evaluation is a collective that ends its phase (`schedule.phase_planner.eval_intervals`): the
-scaled evaluation intervals are kept at least a phase apart (`--pipeline.phase-length` steps), so that a large
-global batch does not cut every phase short for monitoring (100 views at 16 views a step would be an eval image
-every 6 steps of 25-step phases); they only watch the training, which they leave as it is.
+scaled evaluation intervals are rounded up to whole phases (multiples of `--pipeline.phase-length` steps, so that
+the kinds of evaluation fall on the same steps), and a large global batch does not cut every phase short for
+monitoring (100 views at 16 views a step would be an eval image every 6 steps of 25-step phases). The exact
+policies train the same whatever the phases; throughput-first's reads behind stop at a phase end, so its training
+depends on where they fall, as on every phase end.
 
 The optimizer follows Grendel-GS's published sqrt rule (`--lr_scale_mode sqrt`, scene/gaussian_model.py: "Scale
 learning rates according to bsz"): learning rates x sqrt(B) (the schedulers' final and pre-warm-up rates too),
@@ -36,7 +38,7 @@ RecipeUnits = Literal["views", "steps"]
 
 # nerfstudio's TrainerConfig fields that count steps (the length counts too, rounded up: every view is trained)
 TRAINER_INTERVALS = ("steps_per_save", "steps_per_eval_batch", "steps_per_eval_image", "steps_per_eval_all_images")
-EVAL_INTERVALS = TRAINER_INTERVALS[1:]  # each ends its phase on several ranks: kept at least a phase apart
+EVAL_INTERVALS = TRAINER_INTERVALS[1:]  # each ends its phase on several ranks: rounded up to whole phases
 # splatfacto's SplatfactoModelConfig fields that count steps (reset_alpha_every counts refines: scaled through
 # refine_every)
 MODEL_STEPS = ("warmup_length", "refine_every", "resolution_schedule", "stop_split_at", "stop_screen_size_at",
@@ -63,7 +65,7 @@ class Recipe:
 
     batch: int
     units: RecipeUnits = "views"
-    eval_floor: int = 0  # the fewest steps between evaluations (a phase on several ranks; 0: no floor)
+    eval_floor: int = 0  # evaluations' intervals in multiples of this many steps (a phase on several ranks; 0: any)
 
     @property
     def scaled(self) -> bool:
@@ -81,7 +83,8 @@ class Recipe:
         if self.batch == 1:
             return f"odin: recipe counted in views: {views} views, one a step (splatfacto's recipe)"
         s = self.lr_factor
-        floor = (f", evaluations at least a phase ({self.eval_floor} steps) apart" if self.eval_floor > 1 else "")
+        floor = (f", evaluations every whole number of phases ({self.eval_floor} steps)" if self.eval_floor > 1
+                 else "")
         return (f"odin: recipe counted in views: {views} views in {steps} steps of {self.batch} "
                 f"(ranks x micro-batch); every interval / {self.batch}{floor}; learning rates x {s:.3g}, Adam eps / "
                 f"{s:.3g}, betas ** {self.batch} (Grendel-GS's sqrt rule); --pipeline.recipe steps turns this off")
@@ -114,7 +117,7 @@ def scale_optimizer(entry: Dict, recipe: Recipe) -> None:
 def apply_recipe(config, world_size: int):
     """(a copy of the trainer config with the recipe applied for `world_size` ranks, the Recipe). The config the
     user gave (and config.yml, written from it) keeps the user's units; only the trainer's copy counts steps. On
-    several ranks the scaled evaluation intervals are at least `--pipeline.phase-length` steps (module docstring)."""
+    several ranks the scaled evaluation intervals are whole numbers of phases (module docstring)."""
     pipeline = config.pipeline
     recipe = Recipe(batch=world_size * pipeline.micro_batch, units=pipeline.recipe)
     config = copy.deepcopy(config)
@@ -126,7 +129,9 @@ def apply_recipe(config, world_size: int):
     config.max_num_iterations = length_in_steps(config.max_num_iterations, b)
     for name in TRAINER_INTERVALS:
         steps = steps_of(getattr(config, name), b)
-        setattr(config, name, max(steps, recipe.eval_floor) if steps and name in EVAL_INTERVALS else steps)
+        if steps and name in EVAL_INTERVALS and recipe.eval_floor:
+            steps = -(-steps // recipe.eval_floor) * recipe.eval_floor
+        setattr(config, name, steps)
     model = config.pipeline.model
     for name in MODEL_STEPS:
         setattr(model, name, steps_of(getattr(model, name), b))

@@ -183,6 +183,7 @@ class OdinTrainer(Trainer):
         meta = {"method": self.config.method_name, "policy": self.config.pipeline.policy,
                 "micro_batch": self.config.pipeline.micro_batch, "block_size": self.config.pipeline.block_size,
                 "recipe": {"units": self.recipe.units, "views_per_step": self.recipe.batch,
+                           "eval_phase_steps": self.recipe.eval_floor,
                            "changed": [list(r) for r in self.recipe_changes]}}
         wall = time.perf_counter() - getattr(self, "_started", time.perf_counter())
         self.engine.dump_program(self.base_dir)

@@ -76,26 +76,28 @@ def test_overrides_are_views_like_the_defaults():
     assert trained.optimizers["means"]["scheduler"].max_steps == 225
 
 
-def test_evaluations_stay_a_phase_apart_on_several_ranks():
-    """An evaluation on several ranks is a collective that ends its phase: the scaled eval intervals are at least
-    `--pipeline.phase-length` steps there (8 ranks x 2 views: 100 views would be an eval image every 6 steps); one
-    process with the same global batch, checkpoints and the steps switch are left alone."""
+def test_evaluations_come_in_whole_phases_on_several_ranks():
+    """An evaluation on several ranks is a collective that ends its phase: the scaled eval intervals are rounded up
+    to multiples of `--pipeline.phase-length` there (8 ranks x 2 views: 100 views would be an eval image every 6
+    steps), so the kinds fall on the same steps; one process with the same global batch, checkpoints and the steps
+    switch are left alone."""
     from odin_ns.recipe import apply_recipe, recipe_rows
 
     given = parsed("--pipeline.micro-batch", "2", "--steps-per-eval-batch", "200")
     trained, recipe = apply_recipe(given, 8)  # B = 16
-    assert recipe.eval_floor == 25 and "at least a phase (25 steps) apart" in recipe.describe(30000, 1875)
+    assert recipe.eval_floor == 25 and "every whole number of phases (25 steps)" in recipe.describe(30000, 1875)
     assert (trained.steps_per_eval_image, trained.steps_per_eval_batch) == (25, 25)  # 100 / 16 and 200 / 16
-    assert trained.steps_per_eval_all_images == 63  # 1000 / 16 is more than a phase: as scaled
+    assert trained.steps_per_eval_all_images == 75  # 1000 / 16 = 62.5: three phases
     assert trained.steps_per_save == 125  # a checkpoint is not an evaluation
     assert ("steps_per_eval_image", 100, 25) in recipe_rows(given, trained)
     longer = apply_recipe(parsed("--pipeline.micro-batch", "2", "--pipeline.phase-length", "40"), 8)[0]
-    assert (longer.steps_per_eval_image, longer.steps_per_eval_all_images) == (40, 63)
-    one, alone = apply_recipe(parsed("--pipeline.micro-batch", "16"), 1)  # no collective: no floor
+    assert (longer.steps_per_eval_image, longer.steps_per_eval_all_images) == (40, 80)
+    two = apply_recipe(parsed(), 2)[0]  # already whole phases at 2 ranks: as scaled
+    assert (two.steps_per_eval_image, two.steps_per_eval_all_images) == (50, 500)
+    one, alone = apply_recipe(parsed("--pipeline.micro-batch", "16"), 1)  # no collective: no rounding
     assert alone.eval_floor == 0 and (one.steps_per_eval_image, one.steps_per_eval_batch) == (6, 0)
     steps = apply_recipe(parsed("--pipeline.recipe", "steps", "--steps-per-eval-image", "5"), 8)[0]
     assert steps.steps_per_eval_image == 5  # counted in steps by the user: as given
-
 
 # The city of the runtime's tests with its densification schedule given in views for B = 2: warm-up and refine every
 # 10 views (5 steps), SH degree up every 10 views, 64 views (32 steps, the last is 31), a checkpoint every 14 views
@@ -134,6 +136,7 @@ def test_under_the_scaled_recipe_two_ranks_equal_one_process_and_odin_equals_bar
     summary = json.loads((run_dir(barrier) / "odin_stats.json").read_text())
     recipe = summary["meta"]["recipe"]
     assert recipe["views_per_step"] == 2 and ["pipeline.model.refine_every", 10, 5] in recipe["changed"]
+    assert recipe["eval_phase_steps"] == 25  # 2 ranks: evaluations in whole phases
     first = load(barrier, 7)["pipeline"]["_model.gauss_params.means"].shape[0]
     assert end["pipeline"]["_model.gauss_params.means"].shape[0] != first
 

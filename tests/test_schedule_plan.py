@@ -228,6 +228,21 @@ def test_regional_order_balances_the_slots_costs(ranks, micro, monkeypatch):
         assert all([v for r in two.global_views(t) for v in r] == one.global_views(t)[0] for t in range(60))
 
 
+def test_trades_leave_short_epochs_whole_and_no_view_twice_in_a_step():
+    """An epoch shorter than the global batch leaves slots without views (no partners there: it once indexed an
+    empty trade); trades that hand a slot two views of the step an epoch shares with the one before still leave no
+    view twice in that step (another slot's place takes one where the slot has none of its own)."""
+    G = 16
+    rng = random.Random(1)
+    sched = OdinSchedule(5, G, 1, 42, [frozenset({v}) for v in range(5)], [rng.random() * 10 for _ in range(5)],
+                         view_affinity=[[rng.random() for _ in range(G)] for _ in range(5)])
+    assert {v for t in range(3) for r in sched.global_views(t) for v in r} == set(range(5))  # 3 steps of 16
+    sched, _, _, _ = _regional(num_views=13, ranks=3, micro=2, seed=2)  # step 6 held view 6 twice
+    for t in range(20):
+        step = [v for r in sched.global_views(t) for v in r]
+        assert len(set(step)) == len(step), (t, step)
+
+
 def test_regional_order_does_not_depend_on_how_the_batch_is_split():
     two, _, _, _ = _regional(ranks=2, micro=1)
     one, _, _, _ = _regional(ranks=1, micro=2)

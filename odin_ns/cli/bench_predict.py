@@ -230,8 +230,8 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
                   + (f"; {sum(over) / len(over):.2f}x the Grendel-GS model" if over else ""))
     if peer:
         print(f"{PEER_MODEL}: odin-barrier's lists on nerfstudio's random view order, each step's renders shared "
-              "evenly by the ranks (its load balancer at best), splats all-to-all (schedule/peer_model.py); it leaves "
-              "Grendel-GS's own overheads out, so a speed-up over it is a floor of the speed-up over Grendel-GS.")
+              "evenly by the ranks (its load balancer at best), splats all-to-all (schedule/peer_model.py): an estimate, "
+              "without Grendel-GS's own overheads and with our runtime's (phase boundaries, its time per step).")
 
 
 def draw(rows: List[Dict], path: Path) -> None:

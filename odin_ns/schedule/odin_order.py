@@ -14,10 +14,11 @@ share are placed first; those moved to a neighbour straddle the cut). A rank the
 blocks it owns: it sends few gradients, receives few publications, and, on the exact path, waits for another rank
 only when its next view reads blocks that rank has just updated, which happens near the cut only. Every slot
 renders the same number of views per epoch, and the slots then trade views until each one's mean cost per view is
-within `COST_TOLERANCE` of the epoch's (the regions hold alike numbers of Gaussians, not alike costs: a downtown's
-views see many more), giving up the least locality for it; and within the epoch a slot's views are placed so that
-the views of one step cost alike (the i-th costliest of every slot in the same step, the steps in a seeded random
-order), since where a step's views share blocks across ranks the exact path waits for the step's slowest view.
+within `COST_TOLERANCE` of the epoch's as far as trades allow (the regions hold alike numbers of Gaussians, not
+alike costs: a downtown's views see many more), giving up the least locality for it; and within the epoch a slot's
+views are placed so that the views of one step cost alike (the i-th costliest of every slot in the same step, the
+steps in a seeded random order), since where a step's views share blocks across ranks the exact path waits for the
+step's slowest view.
 Without regions (one slot, or `view_affinity` not given): a global batch starts with the earliest view not yet
 placed and is filled with the view from the next `window` of the permutation that shares the fewest blocks with
 the views already in it; then each step's views go to slots by decreasing cost, each to the slot with the lowest
@@ -43,6 +44,15 @@ from odin_ns.scene.ownership import assign_contiguous
 # how far above its share of an epoch's cost (by its number of views) the costliest slot may stay
 COST_TOLERANCE = 0.05
 TRADE_PARTNERS = 8  # the cheapest slots the costliest one looks for a trade in (at most G - 1)
+TRADE_VIEWS = 32  # of each slot in a trade's candidates: the costliest of the costliest slot, the cheapest of others
+
+
+def _ends(members: torch.Tensor, cost: torch.Tensor, costliest: bool) -> torch.Tensor:
+    """The `TRADE_VIEWS` costliest (or cheapest) of `members` (indices into `cost`), all where they are fewer."""
+    if len(members) <= TRADE_VIEWS:
+        return members
+    order = torch.sort(cost[members], descending=costliest, stable=True).indices
+    return members[order[:TRADE_VIEWS]]
 
 
 @dataclass
@@ -158,9 +168,14 @@ class OdinSchedule:
             h = int(torch.argmax(level))
             if level[h] <= 1 + COST_TOLERANCE:
                 break
-            partners = torch.argsort(level)[:min(TRADE_PARTNERS, G - 1)]  # the cheapest slots, h not among them
-            mine = torch.nonzero(slot == h).flatten()
-            other = torch.nonzero(torch.isin(slot, partners)).flatten()
+            # the cheapest slots that have views this epoch (an epoch may be shorter than the global batch), and
+            # of the trade's two sides the costliest views of h and the cheapest of each partner: a trade's
+            # candidates stay few however many views a slot has
+            partners = [k for k in torch.argsort(level).tolist() if k != h and count[k] > 0][:TRADE_PARTNERS]
+            mine = _ends(torch.nonzero(slot == h).flatten(), cost, costliest=True)
+            if not partners:
+                break
+            other = torch.cat([_ends(torch.nonzero(slot == k).flatten(), cost, costliest=False) for k in partners])
             there = slot[other]
             moved = cost[mine][:, None] - cost[other][None, :]  # cost [h]'s view takes off it
             after = torch.maximum((load[h] - moved) / target[h], (load[there][None, :] + moved) / target[there])
@@ -216,6 +231,11 @@ class OdinSchedule:
                 j = next((j for j in reversed(ranked) if (offset + j) // G != shared and out[j] not in before), None)
                 if j is not None:
                     out[i], out[j] = out[j], out[i]
+        # where a slot had no such place of its own (an epoch of few steps), another slot's latest one
+        for i in [i for i in range(n) if shared is not None and (offset + i) // G == shared and out[i] in before]:
+            j = next((j for j in reversed(range(n)) if (offset + j) // G != shared and out[j] not in before), None)
+            if j is not None:
+                out[i], out[j] = out[j], out[i]
         return out
 
     def _step(self, step: int) -> List[List[int]]:

@@ -11,10 +11,12 @@ its closest model with our own pieces:
 - `odin-barrier`'s action lists on them: splats out, splat gradients back, a global barrier every step (the
   all-to-all is one), the same bytes per (view, Gaussian) pair as ours: with an image's pixels split among all
   GPUs a pair crosses the wire unless its owner renders its pixels, as likely as a random view's renderer owning it;
-- each rank's render at a step the step's mean over the ranks: the load balancer's best case. Grendel-GS's own
-  overheads (the balancer, the all-to-all's set-up, a Gaussian sent to every GPU whose pixels it covers, not once)
-  are left out, so the model is faster than Grendel-GS, and a speed-up over it is a floor of the speed-up over
-  the real one.
+- each rank's render at a step the step's mean over the ranks: the load balancer's best case.
+
+An estimate, not a bound: it leaves Grendel-GS's own overheads out (the balancer, the all-to-all's set-up, a
+Gaussian sent to every GPU whose pixels it covers, not once), and it charges what our runtime pays and Grendel-GS
+may not (a phase boundary every `--phase-length` steps, the runtime's own time per step, a gradient message per
+view, an owner's projections made again at its update beyond the memory budget).
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ def balanced_costs(costs: Costs, ranks: int) -> Costs:
 
     def at(step: int, rank: int):
         got = measured(step, rank)
-        if got is None:
-            return None
+        every = [measured(step, r) for r in range(ranks)]
+        if got is None or any(m is None for m in every):  # a step not known for every rank: as it is
+            return got
         views, _, update, overhead = got
-        mean = sum(measured(step, r)[1] for r in range(ranks)) / ranks
-        return views, mean, update, overhead
+        return views, sum(m[1] for m in every) / ranks, update, overhead
 
     return dataclasses.replace(costs, measured=at)
