@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,6 +74,8 @@ class OdinSchedule:
     _loads: List[float] = field(default_factory=list, repr=False, compare=False)
     _view_cost: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _view_share: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _strength: List[float] = field(default_factory=list, repr=False, compare=False)
+    _prefs: Optional[List[List[int]]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_views < 1:
@@ -126,19 +128,22 @@ class OdinSchedule:
         for i in range(n):
             places[(offset + i) % G] += 1
         rank_in_order = {v: i for i, v in enumerate(order)}
-
-        def strength(v: int) -> float:
-            a = self.view_affinity[v]
-            total = sum(a)
-            return max(a) / total if total > 0 else 0.0
-
+        strength, prefs = self._regions()
         slot_of: Dict[int, int] = {}
-        for v in sorted(order, key=lambda v: (-strength(v), rank_in_order[v])):
-            a = self.view_affinity[v]
-            k = max((k for k in range(G) if places[k] > 0), key=lambda k: (a[k], -k))
+        for v in sorted(order, key=lambda v: (-strength[v], rank_in_order[v])):
+            k = next(k for k in prefs[v] if places[k] > 0)  # its region's slot, or the next it lies in most
             slot_of[v] = k
             places[k] -= 1
         return self._balanced_steps(self._balanced_slots(slot_of), offset, n)
+
+    def _regions(self) -> Tuple[List[float], List[List[int]]]:
+        """Per view, once: how much of what it reads lies in its strongest region (its largest affinity over their
+        sum), and the slots by decreasing affinity (ties to the lower slot): where the regional epoch places it."""
+        if self._prefs is None:
+            self._strength = [max(a) / sum(a) if sum(a) > 0 else 0.0 for a in self.view_affinity]
+            affinity = torch.tensor(self.view_affinity, dtype=torch.float64)
+            self._prefs = torch.sort(-affinity, dim=1, stable=True).indices.tolist()
+        return self._strength, self._prefs
 
     def _balanced_slots(self, slot_of: Dict[int, int]) -> Dict[int, int]:
         """`slot_of` with the slots' summed costs balanced: regions hold alike numbers of Gaussians, not alike
@@ -155,14 +160,20 @@ class OdinSchedule:
         G = self.global_batch
         if self._view_share is None:  # per view: its cost, and the share of its reads in each slot's region
             self._view_cost = torch.tensor([float(c) for c in self.costs], dtype=torch.float64)
-            share = torch.tensor(self.view_affinity, dtype=torch.float64)
-            self._view_share = share / share.sum(dim=1, keepdim=True).clamp(min=1e-300)
+            totals = torch.tensor([max(sum(a), 1e-300) for a in self.view_affinity], dtype=torch.float64)
+            self._view_share = torch.tensor(self.view_affinity, dtype=torch.float64) / totals[:, None]
         index = torch.tensor(views, dtype=torch.int64)
         cost, share = self._view_cost[index], self._view_share[index]
         slot = torch.tensor([slot_of[v] for v in views], dtype=torch.int64)
-        load = torch.zeros(G, dtype=torch.float64).index_add_(0, slot, cost)
-        count = torch.zeros(G, dtype=torch.float64).index_add_(0, slot, torch.ones_like(cost))
-        target = (count * float(cost.sum()) / max(len(views), 1)).clamp(min=1e-300)
+        # sums in Python, one after another: every rank decides the same trades whatever its processor's vector
+        # width (torch's reductions group their terms by it)
+        loads, counts = [0.0] * G, [0] * G
+        for v in views:
+            loads[slot_of[v]] += float(self.costs[v])
+            counts[slot_of[v]] += 1
+        load = torch.tensor(loads, dtype=torch.float64)
+        count = torch.tensor(counts, dtype=torch.float64)
+        target = (count * (math.fsum(float(self.costs[v]) for v in views) / max(len(views), 1))).clamp(min=1e-300)
         for _ in range(8 * len(views)):
             level = load / target  # a slot's mean cost per view against the epoch's (what a step waits for)
             h = int(torch.argmax(level))
@@ -171,7 +182,8 @@ class OdinSchedule:
             # the cheapest slots that have views this epoch (an epoch may be shorter than the global batch), and
             # of the trade's two sides the costliest views of h and the cheapest of each partner: a trade's
             # candidates stay few however many views a slot has
-            partners = [k for k in torch.argsort(level).tolist() if k != h and count[k] > 0][:TRADE_PARTNERS]
+            partners = [k for k in torch.argsort(level, stable=True).tolist() if k != h and counts[k] > 0]
+            partners = partners[:TRADE_PARTNERS]
             mine = _ends(torch.nonzero(slot == h).flatten(), cost, costliest=True)
             if not partners:
                 break
