@@ -42,7 +42,7 @@ from odin_ns.runtime.read_set_check import ReadSetCheck
 from odin_ns.runtime.sent_marks import SentMarks
 from odin_ns.runtime.splat_path import SplatPath
 from odin_ns.runtime.sharded import PARAM_NAMES, ShardedGaussians, gathered_rows
-from odin_ns.runtime.transport import RECORD_ENV, channels_group
+from odin_ns.runtime.transport import RECORD_ENV, all_gather_rows, channels_group
 from odin_ns.runtime.waits import WaitLog
 from odin_ns.runtime.whole_model import WholeModel
 from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
@@ -166,10 +166,15 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
 
     def _plan_phase(self, start: int, optimizers, done: int | None = None) -> PhasePlan:
         """The phase that starts at `start`: read sets from the synced table's bounds inflated, step by step, by
-        the motion the optimizer can make since the phase started (`schedule.phase_planner`)."""
+        the motion the optimizer can make since the phase started (`schedule.phase_planner`); on several ranks
+        each tests its own views and the ranks all-gather the read sets."""
         stop = self.rules.stop(start)
         motion, growth = motion_bounds(optimizers, self.model.gauss_params, stop - start, done)
-        return self.planner.plan(start, stop, self.table, motion, growth)
+        share = None
+        if self.env.distributed:
+            ranks = self.env.world_size
+            share = (self.env.rank, lambda rows: all_gather_rows(rows, [rows.shape[0]] * ranks, self.log, "phase"))
+        return self.planner.plan(start, stop, self.table, motion, growth, share)
 
     def _begin_phase(self, step: int, optimizers) -> None:
         """Plan the phase (the runtime and the splat path set up for it); `_start_program` starts it once the
