@@ -76,6 +76,7 @@ class OdinSchedule:
     _view_share: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _strength: List[float] = field(default_factory=list, repr=False, compare=False)
     _prefs: Optional[List[List[int]]] = field(default=None, repr=False, compare=False)
+    _slot_cache: Dict[tuple, Dict[int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_views < 1:
@@ -120,21 +121,25 @@ class OdinSchedule:
     def _regional_epoch(self, order: List[int]) -> List[int]:
         """One epoch laid out on the global stream so that the views of slot k (stream positions p with p mod G = k)
         are the views of k's region: each view goes to the slot its read set lies in most, as far as the slot's
-        places in the epoch allow; views that lie mostly in one region are placed first, so the ones moved to a
-        neighbour are those that straddle the cut. Within a slot the views are ordered so that a step's views
+        places in the epoch allow; views that lie mostly in one region are placed first (ties by view), so the ones
+        moved to a neighbour are those that straddle the cut; then the slots' costs are balanced
+        (`_balanced_slots`). That depends on the epoch only through its slots' numbers of places, so it is made
+        once for each (an epoch's laying out took 0.13 s at 4000 views x 128 slots). Within a slot the views are ordered so that a step's views
         cost alike (`_balanced_steps`)."""
         G, n, offset = self.global_batch, self.num_views, len(self._stream)
         places = [0] * G
         for i in range(n):
             places[(offset + i) % G] += 1
-        rank_in_order = {v: i for i, v in enumerate(order)}
-        strength, prefs = self._regions()
-        slot_of: Dict[int, int] = {}
-        for v in sorted(order, key=lambda v: (-strength[v], rank_in_order[v])):
-            k = next(k for k in prefs[v] if places[k] > 0)  # its region's slot, or the next it lies in most
-            slot_of[v] = k
-            places[k] -= 1
-        return self._balanced_steps(self._balanced_slots(slot_of), offset, n)
+        key = tuple(places)
+        if key not in self._slot_cache:  # the same places, the same slots: made once (epochs cycle through few)
+            strength, prefs = self._regions()
+            slot_of: Dict[int, int] = {}
+            for v in sorted(range(n), key=lambda v: (-strength[v], v)):
+                k = next(k for k in prefs[v] if places[k] > 0)  # its region's slot, or the next it lies in most
+                slot_of[v] = k
+                places[k] -= 1
+            self._slot_cache[key] = self._balanced_slots(slot_of)
+        return self._balanced_steps(self._slot_cache[key], offset, n)
 
     def _regions(self) -> Tuple[List[float], List[List[int]]]:
         """Per view, once: how much of what it reads lies in its strongest region (its largest affinity over their
