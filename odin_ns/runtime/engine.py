@@ -1,18 +1,17 @@
 """The engine of one rank: the synchronous reference of DESIGN.md, run on sharded Gaussians, phase by phase.
 
 At a phase's start every rank derives the same `PhasePlan` from replicated data (the views of every rank at every
-step, their read sets from the block table's bounds inflated by the optimizer's largest motion, in one batched
-test) and takes its own program of the phase from the policy registry (`schedule.policies`). The pipeline's
-seams run the program step by step (`runtime.interpreter`): `validate` the actions before the step's renders
-(the owners' splats in), `render` its views, `publish` what follows (the splats' gradients out, the owners' update,
-the next reads' splats out, odin-barrier's barrier); throughput-first runs its communication on a lane beside the
-renders (`runtime.lane`; its decisions `runtime.lane_decisions`). What travels is splats (`runtime.splat_path`);
-the state the handlers share is `runtime.rank_runtime`, reads behind are `runtime.admission`; phases are planned
-by `schedule.phase_planner`; phase boundaries (densify, prune, cut, rebalance, the table's sync) are
-`runtime.boundary`, checkpoints in and out `runtime.whole_model`, the read sets' check `runtime.read_set_check`.
-The result does not depend on how many ranks share the global batch: N ranks with one view each equal one rank
-with a micro-batch of N views, bit for bit.
-"""
+step, their read sets from the block table's bounds inflated by the optimizer's largest motion: each rank tests its
+own views in one batched test and the ranks all-gather the results) and takes its own program of the phase from the
+policy registry (`schedule.policies`). The pipeline's seams run the program step by step (`runtime.interpreter`):
+`validate` the actions before the step's renders (the owners' splats in), `render` its views, `publish` what follows
+(the splats' gradients out, the owners' update, the next reads' splats out, odin-barrier's barrier);
+throughput-first runs its communication on a lane beside the renders (`runtime.lane`; its decisions
+`runtime.lane_decisions`). What travels is splats (`runtime.splat_path`); the state the handlers share is
+`runtime.rank_runtime`, reads behind are `runtime.admission`; phases are planned by `schedule.phase_planner`; phase
+boundaries (densify, prune, cut, rebalance, the table's sync) are `runtime.boundary`, checkpoints in and out
+`runtime.whole_model`, the read sets' check `runtime.read_set_check`. The result does not depend on how many ranks
+share the global batch: N ranks with one view each equal one rank with a micro-batch of N views, bit for bit. """
 
 from __future__ import annotations
 
@@ -171,9 +170,17 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         stop = self.rules.stop(start)
         motion, growth = motion_bounds(optimizers, self.model.gauss_params, stop - start, done)
         share = None
+        self._gather_s = 0.0  # the read sets' all-gather: waiting for the other ranks, not this rank's planning
         if self.env.distributed:
             ranks = self.env.world_size
-            share = (self.env.rank, lambda rows: all_gather_rows(rows, [rows.shape[0]] * ranks, self.log, "phase"))
+
+            def gather(rows: torch.Tensor) -> List[torch.Tensor]:
+                started = time.perf_counter()
+                try:
+                    return all_gather_rows(rows, [rows.shape[0]] * ranks, self.log, "phase", kind="plan")
+                finally:
+                    self._gather_s += time.perf_counter() - started
+            share = (self.env.rank, gather)
         return self.planner.plan(start, stop, self.table, motion, growth, share)
 
     def _begin_phase(self, step: int, optimizers) -> None:
@@ -250,7 +257,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
                 with self.log.waiting("phase"):
                     started = time.perf_counter()
                     self._begin_phase(step, optimizers)
-                    record.plan_s = time.perf_counter() - started
+                    record.plan_s = time.perf_counter() - started - self._gather_s
                 # the phase-start state projected for the reads that take it (render work, as every projection
                 # an owner makes for its readers: throughput-first's reach a step further than the exact ones')
                 self.splats.project_update(step - 1)

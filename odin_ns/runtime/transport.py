@@ -7,7 +7,8 @@ fixes the order of the messages on every pair; one thread of a rank posts them (
 the sends and receives of an action group go out together in one `batch_isend_irecv`. A message whose size
 depends on the data is a fixed-size header (its length fixed by the plan) followed by the payload it announces.
 
-`exchange` and `all_gather_rows` move whole shards at phase boundaries (both sides know the shapes).
+`exchange` and `all_gather_rows` move whole shards and a phase's read sets at phase boundaries (both sides know
+the shapes).
 torch.distributed does the transport (gloo on CPU, NCCL on CUDA).
 """
 
@@ -56,8 +57,10 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cause: str) -> List[torch.Tensor]:
-    """All-gather [n_r, D] tensors of per-rank row counts `counts` (known to all); returns each rank's rows."""
+def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cause: str,
+                    kind: Optional[str] = None) -> List[torch.Tensor]:
+    """All-gather [n_r, D] tensors of per-rank row counts `counts` (known to all); returns each rank's rows.
+    `kind` names the bytes in the step's traffic by kind (none: the phase boundary's own)."""
     width = rows.shape[1]
     longest = max(max(counts), 1)
     padded = torch.zeros((longest, width), dtype=rows.dtype, device=comm_device())
@@ -68,7 +71,7 @@ def all_gather_rows(rows: torch.Tensor, counts: Sequence[int], log: WaitLog, cau
     with log.waiting(cause):
         dist.all_gather(gathered, padded)
     log.add_traffic(padded.numel() * padded.element_size() * (len(counts) - 1),
-                    padded.numel() * padded.element_size() * (len(counts) - 1))
+                    padded.numel() * padded.element_size() * (len(counts) - 1), kind)
     return [g[:n].to(rows.device) for g, n in zip(gathered, counts)]
 
 

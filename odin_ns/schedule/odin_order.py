@@ -119,13 +119,13 @@ class OdinSchedule:
         self._stream.extend(out)
 
     def _regional_epoch(self, order: List[int]) -> List[int]:
-        """One epoch laid out on the global stream so that the views of slot k (stream positions p with p mod G = k)
-        are the views of k's region: each view goes to the slot its read set lies in most, as far as the slot's
-        places in the epoch allow; views that lie mostly in one region are placed first (ties by view), so the ones
-        moved to a neighbour are those that straddle the cut; then the slots' costs are balanced
-        (`_balanced_slots`). That depends on the epoch only through its slots' numbers of places, so it is made
-        once for each (an epoch's laying out took 0.13 s at 4000 views x 128 slots). Within a slot the views are ordered so that a step's views
-        cost alike (`_balanced_steps`)."""
+        """One epoch laid out on the global stream so that the views of slot k (stream positions p with p mod G = k) are
+        the views of k's region: each view goes to the slot its read set lies in most, as far as the slot's places in
+        the epoch allow; views that lie mostly in one region are placed first (ties by view), so the ones moved to a
+        neighbour are those that straddle the cut; then the slots' costs are balanced (`_balanced_slots`). That depends
+        on the epoch only through its slots' numbers of places, so it is made once for each (an epoch's laying out took
+        0.13 s at 4000 views x 128 slots). Within a slot the views are ordered so that a step's views cost alike
+        (`_balanced_steps`)."""
         G, n, offset = self.global_batch, self.num_views, len(self._stream)
         places = [0] * G
         for i in range(n):
@@ -170,8 +170,8 @@ class OdinSchedule:
         index = torch.tensor(views, dtype=torch.int64)
         cost, share = self._view_cost[index], self._view_share[index]
         slot = torch.tensor([slot_of[v] for v in views], dtype=torch.int64)
-        # sums in Python, one after another: every rank decides the same trades whatever its processor's vector
-        # width (torch's reductions group their terms by it)
+        # sums in Python, one after another: from the same costs every rank decides the same trades whatever its
+        # processor's vector width (torch's reductions group their terms by it)
         loads, counts = [0.0] * G, [0] * G
         for v in views:
             loads[slot_of[v]] += float(self.costs[v])

@@ -10,8 +10,9 @@ cameras (`schedule.geometry_plan`): the same views, read sets and lists wherever
   refreshes, evaluations);
 - `motion_bounds`: the rigorous bound on how far selective Adam moves a mean and grows a log-scale in the steps of
   a phase, from the optimizers' settings;
-- `PhasePlanner.plan`: the views of every rank at every step (the view schedule) and each view's read set, from one
-  batched test of the block table's bounds, inflated by those bounds, against every view's frustum.
+- `PhasePlanner.plan`: the views of every rank at every step (the view schedule) and each view's read set, from a
+  batched test of the block table's bounds, inflated by those bounds, against the views' frustums (on several
+  ranks each tests its own views and the ranks all-gather the results, bit-packed).
 Written by hand: nerfstudio and gsplat have no notion of a phase.
 """
 
