@@ -97,10 +97,11 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
     # auto's budget: a share of the GPU model's memory on several, as the runtime's of the GPU it runs on, none on
     # one GPU (plain training's graphs)
     budget = keep_budget(projection_memory, projection_budget_mb, GPUS[gpu].memory_bytes, ranks)
+    target = gaussians or SCENE_SIZE[scene][0]
 
     def replay(view_order: str):
         preview = _scene_preview(scene, ranks, steps, phase_length, micro_batch, view_order)
-        scale = (gaussians or SCENE_SIZE[scene][0]) / max(sum(preview.block_counts), 1)
+        scale = target / max(sum(preview.block_counts), 1)
         plans = preview.policy_plans()
         stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
         costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
@@ -110,7 +111,6 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
         return preview, plans, costs, scale, views
 
     preview, plans, costs, scale, views = replay("odin")
-    target = gaussians or SCENE_SIZE[scene][0]
     pred = predictions(plans, costs)
     peak = peak_bytes(plans[BARRIER], costs, scale, budget)
     for p in pred.values():
@@ -230,8 +230,9 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
                   + (f"; {sum(over) / len(over):.2f}x the Grendel-GS model" if over else ""))
     if peer:
         print(f"{PEER_MODEL}: odin-barrier's lists on nerfstudio's random view order, each step's renders shared "
-              "evenly by the ranks (its load balancer at best), splats all-to-all (schedule/peer_model.py): an estimate, "
-              "without Grendel-GS's own overheads and with our runtime's (phase boundaries, its time per step).")
+              "evenly by the ranks (its load balancer at best), splats all-to-all (schedule/peer_model.py): an "
+              "estimate, without Grendel-GS's own overheads and with our runtime's (phase boundaries, its time per "
+              "step).")
 
 
 def draw(rows: List[Dict], path: Path) -> None:

@@ -98,8 +98,8 @@ class OdinSchedule:
     def _add_epoch(self) -> None:
         order = list(range(self.num_views))
         self._rng.shuffle(order)  # nerfstudio's permutation (the same draws as ViewSchedule)
-        if self.view_affinity:
-            self._stream.extend(self._regional_epoch(order))
+        if self.view_affinity:  # the regions' layout needs no permutation: drawn all the same, as the epochs count
+            self._stream.extend(self._regional_epoch())
             return
         G = self.global_batch
         window = self.window or 4 * G
@@ -118,7 +118,7 @@ class OdinSchedule:
             size = G
         self._stream.extend(out)
 
-    def _regional_epoch(self, order: List[int]) -> List[int]:
+    def _regional_epoch(self) -> List[int]:
         """One epoch laid out on the global stream so that the views of slot k (stream positions p with p mod G = k) are
         the views of k's region: each view goes to the slot its read set lies in most, as far as the slot's places in
         the epoch allow; views that lie mostly in one region are placed first (ties by view), so the ones moved to a

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from odin_ns.scene.read_sets import blocks_in_view, blocks_in_views, tight_step_bound
@@ -217,18 +218,11 @@ class PhasePlanner:
         return mask & (table.count > 0)[None, :]
 
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """Bool [n, b] -> uint8 [n, ceil(b / 8)], block b in bit b % 8 of byte b // 8."""
-    n, b = mask.shape
-    padded = torch.zeros((n, -(-b // 8) * 8), dtype=torch.uint8)
-    padded[:, :b] = mask
-    return (padded.view(n, -1, 8) * _BITS).sum(dim=2, dtype=torch.uint8)
+    """Bool [n, b] -> uint8 [n, ceil(b / 8)], block b in bit b % 8 of byte b // 8 (numpy's packbits)."""
+    return torch.from_numpy(np.packbits(mask.cpu().numpy(), axis=1, bitorder="little"))
 
 
 def unpack_bits(packed: torch.Tensor, b: int) -> torch.Tensor:
     """`pack_bits`' inverse: uint8 [n, ceil(b / 8)] -> bool [n, b]."""
-    packed = packed.cpu()
-    return ((packed[:, :, None] & _BITS) != 0).view(packed.shape[0], -1)[:, :b]
+    return torch.from_numpy(np.unpackbits(packed.cpu().numpy(), axis=1, count=b, bitorder="little").astype(bool))
