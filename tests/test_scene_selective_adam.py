@@ -1,4 +1,4 @@
-"""SelectiveAdam: torch.optim.Adam when all rows are visible, untouched invisible rows, the documented formula,
+"""SelectiveAdam: torch.optim.Adam(fused=True) when all rows are visible, untouched invisible rows, the documented formula,
 shard-independent bits, state_dict, gsplat's densification ops and nerfstudio's optimizer plumbing."""
 
 import io
@@ -33,13 +33,16 @@ def mask_at(t, n, p=0.4, seed=2):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("how", ["none", "all_true", "attribute"])
-def test_all_visible_is_torch_adam_bit_for_bit(dtype, how):
-    init = make_params(dtype=dtype)
+def test_all_visible_is_torch_fused_adam_bit_for_bit(dtype, how):
+    """With every row visible SelectiveAdam is torch's fused Adam, bit for bit, on parameters that fill whole units
+    of its kernel (256 rows); on the 257th row of a larger parameter the last elements take the kernel's vectorized
+    path too (see `test_a_row_gets_the_same_bits_wherever_it_lies`), where torch's own call takes its scalar loop."""
+    init = make_params(n=256, dtype=dtype)
     ours = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
     opt = SelectiveAdam([{"params": [p], "lr": 1e-2 * (i + 1)} for i, p in enumerate(ours.values())], eps=1e-15)
     opt_ref = torch.optim.Adam(
-        [{"params": [p], "lr": 1e-2 * (i + 1)} for i, p in enumerate(ref.values())], eps=1e-15
+        [{"params": [p], "lr": 1e-2 * (i + 1)} for i, p in enumerate(ref.values())], eps=1e-15, fused=True
     )
     n = init["means"].shape[0]
     for t in range(30):
@@ -57,6 +60,33 @@ def test_all_visible_is_torch_adam_bit_for_bit(dtype, how):
         assert torch.equal(ours[k], ref[k]), k
         for s in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[ours[k]][s], opt_ref.state[ref[k]][s]), (k, s)
+
+
+def test_a_row_gets_the_same_bits_wherever_it_lies():
+    """A row's update depends on its own values alone, wherever the row lies in the parameter: the rows of
+    parameters of 1-40 rows of 3 and of 1 element (most not whole units of the fused kernel), taken at several
+    places of a parameter of 200 rows with moments of every size, get the bits those rows get in the whole
+    parameter. (torch's fused Adam alone gives a parameter's last elements other bits here: its scalar loop.)"""
+    g = torch.Generator().manual_seed(3)
+    for width in (3, 1):
+        n = 200
+        p0, grad = torch.randn(n, width, generator=g), torch.randn(n, width, generator=g) * 1e-3
+        m0, v0 = torch.randn(n, width, generator=g) * 1e-3, torch.rand(n, width, generator=g) * 1e-6
+
+        def stepped(rows: slice):
+            p = torch.nn.Parameter(p0[rows].clone())
+            opt = SelectiveAdam([p], lr=1e-2, eps=1e-15)
+            opt.state[p].update(step=torch.tensor(4.0), exp_avg=m0[rows].clone(), exp_avg_sq=v0[rows].clone())
+            p.grad = grad[rows].clone()
+            opt.step()
+            return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+
+        whole = stepped(slice(None))
+        for start in (0, 5, 11, 150):
+            for length in list(range(1, 18)) + [31, 33, 40]:
+                rows = slice(start, start + length)
+                for part, full in zip(stepped(rows), whole):
+                    assert torch.equal(part, full[rows]), (width, start, length)
 
 
 def test_invisible_rows_untouched_and_visible_rows_move():
@@ -363,10 +393,10 @@ def test_step_rows_equals_a_masked_step_through_parameter_replacements():
 
 
 def test_step_touched_equals_step_rows_bit_for_bit():
-    """`step_touched` (in place over every row, Adam a no-op on the rows not touched) gives the bits `step_rows`
-    gives (gathered rows), parameters and moments, signs of zeros included, on a whole parameter and on the leading
-    SH coefficients of one (strided views, a strided gradient), through steps with different touched rows; in
-    float32 and float64 (a narrow row's factors made from its mask, the other dtype's zeros made -0.0 by a fill)."""
+    """`step_touched` (in place over every row, the untouched rows written back as they were) gives the bits
+    `step_rows` gives (gathered rows), parameters and moments, signs of zeros included, on a whole parameter and on
+    the leading SH coefficients of one (strided views, a strided gradient), through steps with different touched
+    rows; in float32 and float64."""
     g = torch.Generator().manual_seed(21)
     for shape, width, dtype in (((3,), None, torch.float32), ((15, 3), 8, torch.float32), ((1,), None, torch.float32),
                                 ((4,), None, torch.float32), ((4,), None, torch.float64),
@@ -381,6 +411,8 @@ def test_step_touched_equals_step_rows_bit_for_bit():
         odd = (torch.arange(n) % 2 == 1).view((n,) + (1,) * len(shape))
         # +0.0 elsewhere (Adam makes no -0.0)
         m0 = torch.where(odd, torch.randn((n,) + shape, generator=g, dtype=dtype), 0.0)
+        if width is not None:  # the coefficients above `width`: zero moments and gradients (its contract)
+            m0[:, width:] = 0.0
         v0 = m0.square() * 2
         for opt, param in ((a, pa), (b, pb)):
             opt.state[param].update(step=torch.tensor(0.0), exp_avg=m0.clone(), exp_avg_sq=v0.clone())
@@ -393,8 +425,11 @@ def test_step_touched_equals_step_rows_bit_for_bit():
             wide[:, 5:5 + cols] = (torch.randn((n,) + shape, generator=g, dtype=dtype) * scale).flatten(1) * touched[
                 :, None]
             grad = wide[:, 5:5 + cols].reshape((n,) + shape)
+            if width is not None:
+                grad[:, width:] = 0.0
             before_a, after_a, _ = a.step_rows(rows, grad.index_select(0, rows), keep_before=True, width=width)
-            before_b, after_b = b.step_touched(touched, grad, keep_before=True, width=width)
+            before_b, after_b = b.step_touched(torch.nonzero(~touched).flatten(), grad, keep_before=True,
+                                               width=width)
             assert torch.equal(before_b.index_select(0, rows), before_a) and torch.equal(
                 after_b.index_select(0, rows), after_a)
             for x, y in ((pa.data, pb.data), (a.state[pa]["exp_avg"], b.state[pb]["exp_avg"]),

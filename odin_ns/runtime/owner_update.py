@@ -8,9 +8,9 @@ densification statistics), one per view, in the reference order (rank, then view
    sequence of additions on every rank count; rows a view did not touch go to a spare row that is dropped);
 3. applies selective Adam to those rows only, parameter by parameter: gathered, updated and written back
    (`SelectiveAdam.step_rows`: no gradient or mask the size of the shard), or, on the CPU where the step touched
-   more than 55% of the owned rows, in place over every owned row with factors that make Adam a no-op on the rows
-   no view touched (`SelectiveAdam.step_touched`: the same bits, without the gathers and scatters; the sum is then
-   indexed by owned row, and a row no view touched has a zero gradient: its contributions are zero); of the SH
+   more than 65% of the owned rows, in place over every owned row with the rows no view touched copied aside and
+   written back (`SelectiveAdam.step_touched`: the same bits, gathering the fewer rows; the sum is then indexed by
+   owned row, and a row no view touched has a zero gradient: its contributions are zero); of the SH
    coefficients, only those of the degree the step trains (`TrainedCoefficients`); for throughput-first's
    evidence, it notes each row's squared change;
 4. adds the densification statistics (screen-space gradient norms, visibility counts, largest radii) of those rows.
@@ -27,7 +27,6 @@ import torch
 from odin_ns.buffers import kept_rows
 from odin_ns.runtime.sharded import PARAM_NAMES, param_columns
 from odin_ns.scene.block_refine import STATE_KEYS
-from odin_ns.scene.selective_adam import TouchedRows
 
 
 @dataclass
@@ -56,9 +55,9 @@ class OwnerUpdate:
         # `index_reduce_`, torch's sum (the same bits: the tests run the GPU's ways on the CPU too)
         self.cpu_ways = device.type == "cpu"
         # on the CPU, the share of owned rows a step must touch for the in-place masked update (the same bits as
-        # the gathered one; the whole update on one thread, 100k owned rows with 2 views' contributions: masked
-        # 32-33 ms whatever the share, gathered 30.4 / 33.1 / 35.9 / 41.6 ms at 48 / 55 / 61 / 72% touched)
-        self.masked_share = 0.55
+        # the gathered one; the whole update on one thread, 100k owned rows with 2 views' contributions, masked /
+        # gathered: 60.9 / 40.4 ms at 45% touched, 52.3 / 52.5 at 65%, 44.9 / 63.7 at 80%)
+        self.masked_share = 0.65
 
     def run(self, step: int, contributions: Sequence[Tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
             optimizers, track: bool, evidence: bool) -> UpdateResult:
@@ -83,8 +82,7 @@ class OwnerUpdate:
                 radii.index_copy_(0, pos, torch.maximum(radii.index_select(0, pos), piece[:, width + 2]))
             else:
                 radii.index_reduce_(0, pos, piece[:, width + 2], "amax")
-        touched = TouchedRows(torch.zeros(n_owned, dtype=torch.bool, device=self.device).index_fill_(0, rows, True)) \
-            if masked else None
+        untouched = self._untouched(rows, n_owned) if masked else None
         delta = None  # [n] float64: each of the sum's rows' squared change (evidence), selected at the end
         for name, (c0, c1) in zip(PARAM_NAMES, self.columns):
             param = model.gauss_params[name]
@@ -92,7 +90,7 @@ class OwnerUpdate:
             optimizer = optimizers.optimizers[name]
             trained = self.coefficients.width(step, optimizer) if name == "features_rest" else None
             if masked:
-                before, after = optimizer.step_touched(touched, grad, keep_before=evidence, width=trained)
+                before, after = optimizer.step_touched(untouched, grad, keep_before=evidence, width=trained)
             else:
                 before, after, _ = optimizer.step_rows(rows, grad, keep_before=evidence, width=trained)
             if T and evidence:  # a row's squared change over the parameter's columns in float32, the parameters'
@@ -120,6 +118,16 @@ class OwnerUpdate:
         place = self._place[:n_owned].fill_(T)
         place.index_copy_(0, rows, torch.arange(T, device=self.device))
         return place
+
+    def _untouched(self, rows: torch.Tensor, n_owned: int) -> torch.Tensor:
+        """The owned rows not in `rows` (ascending, distinct), ascending, without a host read (their number is
+        known): each untouched row's place among them is the running count of untouched rows up to it, less one;
+        a touched row goes to a spare place that is dropped."""
+        n = n_owned - rows.shape[0]
+        untouched = torch.ones(n_owned, dtype=torch.int64, device=self.device).index_fill_(0, rows, 0)
+        place = torch.where(untouched.bool(), untouched.cumsum(0).sub_(1), n)
+        return torch.empty(n + 1, dtype=torch.int64, device=self.device).index_copy_(
+            0, place, torch.arange(n_owned, device=self.device))[:n]
 
     def _add_statistics(self, rows, acc, radii, n_owned) -> None:
         """gsplat's DefaultStrategy statistics of the touched rows: the sum of the views' screen-space gradient
