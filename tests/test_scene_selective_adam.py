@@ -1,5 +1,5 @@
-"""SelectiveAdam: torch.optim.Adam(fused=True) when all rows are visible, untouched invisible rows, the documented formula,
-shard-independent bits, state_dict, gsplat's densification ops and nerfstudio's optimizer plumbing."""
+"""SelectiveAdam: torch.optim.Adam(fused=True) when all rows are visible, untouched invisible rows, the documented
+formula, shard-independent bits, state_dict, gsplat's densification ops and nerfstudio's optimizer plumbing."""
 
 import io
 
