@@ -436,3 +436,23 @@ def test_step_touched_equals_step_rows_bit_for_bit():
                          (a.state[pa]["exp_avg_sq"], b.state[pb]["exp_avg_sq"])):
                 assert torch.equal(x.view(torch.int32), y.view(torch.int32)), (shape, t)
         assert not torch.equal(pa.data, init)  # it trained
+
+
+def test_step_touched_with_eps_zero_leaves_the_coefficients_past_width():
+    """With eps 0 Adam on a coefficient of zero moments and gradient is 0 / 0: `step_touched` over every coefficient
+    writes back those past `width` (no NaN), giving `step_rows`' bits."""
+    g = torch.Generator().manual_seed(4)
+    n, width = 40, 3
+    init = torch.randn(n, 15, 3, generator=g)
+    pa, pb = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    a, b = SelectiveAdam([pa], lr=1e-2, eps=0.0), SelectiveAdam([pb], lr=1e-2, eps=0.0)
+    for t in range(3):
+        touched = torch.arange(n) % 2 == t % 2
+        grad = torch.zeros(n, 15, 3)
+        grad[touched, :width] = torch.randn(int(touched.sum()), width, 3, generator=g)
+        rows = torch.nonzero(touched).flatten()
+        a.step_rows(rows, grad.index_select(0, rows), width=width)
+        b.step_touched(torch.nonzero(~touched).flatten(), grad, width=width)
+        for x, y in ((pa.data, pb.data), (a.state[pa]["exp_avg"], b.state[pb]["exp_avg"]),
+                     (a.state[pa]["exp_avg_sq"], b.state[pb]["exp_avg_sq"])):
+            assert not bool(y.isnan().any()) and torch.equal(x.view(torch.int32), y.view(torch.int32)), t

@@ -191,5 +191,11 @@ class TrainedCoefficients:
         known = self._checked
         if known is None or known[0] is not m or known[1] is not v:
             rest = slice(trained, None)
-            self._checked = known = (m, v, bool((m[:, rest] == 0).all() and (v[:, rest] == 0).all()))
+            self._checked = known = (m, v, _all_positive_zero(m[:, rest]) and _all_positive_zero(v[:, rest]))
         return trained if known[2] else None
+
+
+def _all_positive_zero(x: torch.Tensor) -> bool:
+    """Whether every element of `x` is +0.0 (a -0.0 moment, which Adam does not make but a loaded state may hold,
+    would come out of an update over every coefficient as +0.0: the coefficient is then not skipped)."""
+    return bool(((x == 0) & ~torch.signbit(x)).all())

@@ -25,6 +25,7 @@ class SelectiveAdamOptimizerConfig(OptimizerConfig):
     betas: Tuple[float, float] = (0.9, 0.999)
     """Adam's moment decay rates."""
     bias_correction: bool = True
-    """Adam's bias correction (True: torch.optim.Adam when every row is visible; False: gsplat's kernel)."""
+    """Adam's bias correction (True: torch.optim.Adam's update, its fused kernel's bits, when every row is visible;
+    False: the formula of gsplat's kernel)."""
     require_visibility: bool = False
     """Make a step without a visibility mask an error instead of a dense update."""

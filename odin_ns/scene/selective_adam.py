@@ -145,7 +145,7 @@ class SelectiveAdam(torch.optim.Optimizer):
         if rows is None:
             fused_adam_(p.data, grad, m, v, *hyper)
             return
-        self._gathered(p.data, m, v, rows, grad.index_select(0, rows), hyper, keep_before=False)
+        self._gathered(p.data, m, v, rows, grad, hyper, keep_before=False, whole_grad=True)
 
     @torch.no_grad()
     def step_rows(self, rows: Tensor, grad: Tensor, keep_before: bool = False, width: Optional[int] = None
@@ -178,31 +178,36 @@ class SelectiveAdam(torch.optim.Optimizer):
         are touched this saves gathering and scattering the touched ones. `width`: as `step_rows` (the update runs
         over every coefficient, a no-op on those the caller vouches for; the values returned are narrowed to
         `width`). Returns the parameter's values before (a copy, if `keep_before`, valid until the next step) and
-        after (the parameter itself)."""
+        after (the parameter itself). With eps 0, where Adam on a coefficient of zero moments and gradient is
+        0 / 0, the coefficients past `width` are copied aside too and written back."""
         p, m, v, grad, hyper = self._begin_single(grad, None)
+        narrow = width is not None and width < p.shape[1]
+        past = [x[:, width:].clone() for x in (p, m, v)] if narrow and hyper[-1] == 0 else []
         n = untouched.shape[0]
-        saved = self._saved = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device)[:n]
-                               for buf in self._saved or [None] * 3]
+        self._saved = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device) for buf in self._saved or [None] * 3]
+        saved = [buf[:n] for buf in self._saved]
         for source, buf in zip((p, m, v), saved):
             torch.index_select(source, 0, untouched, out=buf)
-        before = self._before(p) if keep_before else None
+        before = self._before(p[:, :width] if narrow else p) if keep_before else None
         fused_adam_(p, grad, m, v, *hyper)
         for target, buf in zip((p, m, v), saved):
             target.index_copy_(0, untouched, buf)
-        if width is not None and width < p.shape[1]:
-            return (None if before is None else before[:, :width]), p[:, :width]
-        return before, p
+        for target, kept in zip((p, m, v), past):
+            target[:, width:] = kept
+        return before, p[:, :width] if narrow else p
 
     def _gathered(self, p: Tensor, m: Tensor, v: Tensor, rows: Tensor, grad: Tensor, hyper: tuple,
-                  keep_before: bool) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+                  keep_before: bool, whole_grad: bool = False) -> Tuple[Optional[Tensor], Tensor, Tensor]:
         """The update of `rows` of `p` (and its moments): gathered into buffers of whole units of the fused
         kernel (`fused_adam_`; the rows past the gathered ones zero, where Adam is a no-op), updated, written back.
-        Returns the rows' values before (if `keep_before`), after, and their first moment after."""
+        `grad`: the rows' gradients, or with `whole_grad` the parameter's (gathered here too). Returns the rows'
+        values before (if `keep_before`), after, and their first moment after."""
         T = rows.shape[0]
         p_r, m_r, v_r, g_r = self._buffers(p, _whole_units(T, p))
-        for source, buf in ((p, p_r), (m, m_r), (v, v_r)):
+        for source, buf in ((p, p_r), (m, m_r), (v, v_r)) + (((grad, g_r),) if whole_grad else ()):
             torch.index_select(source, 0, rows, out=buf[:T])
-        g_r[:T].copy_(grad)
+        if not whole_grad:
+            g_r[:T].copy_(grad)
         if p_r.shape[0] > T:
             for buf in (p_r, m_r, v_r, g_r):
                 buf[T:].zero_()
@@ -251,9 +256,9 @@ class SelectiveAdam(torch.optim.Optimizer):
         return tuple(buf[:n] for buf in self._work)
 
 
-# Adam's step count for an update without bias correction: beta ** 2^62 is 0 in double precision for every beta
-# below 1 (at most exp(-2^62 * 2^-53) = exp(-512)), so the fused kernel's corrections 1 - beta ** step are 1.0
-# exactly and dividing by them is exact: gsplat's formula
+# Adam's step count for an update without bias correction: beta ** 2^62 is at most exp(-2^62 * 2^-53) = exp(-512)
+# for every beta below 1 in double precision, far below half an ulp of 1.0, so the fused kernel's corrections
+# 1 - beta ** step are 1.0 exactly and dividing by them is exact: gsplat's formula
 UNCORRECTED_STEP = 2.0 ** 62
 
 
@@ -270,8 +275,8 @@ def _unit(t: Tensor) -> int:
 
 
 def _whole_units(rows: int, like: Tensor) -> int:
-    """The fewest rows >= `rows` whose elements (rows of `like`'s shape) fill whole units of the fused kernel on
-    the CPU (`fused_adam_`); on CUDA `rows`."""
+    """`rows` rounded up to a multiple of the fused kernel's unit on the CPU (`fused_adam_`), so that the rows'
+    elements (rows of `like`'s shape) fill whole units whatever a row's size; on CUDA `rows`."""
     if like.device.type != "cpu":
         return rows
     unit = _unit(like)
