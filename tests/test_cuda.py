@@ -46,6 +46,37 @@ def test_gsplat_kernels_match_the_cpu_rasterizer():
         assert ((cpu_grads[name] - gpu_grads[name]).abs().max() / scale) < 1e-2, name
 
 
+def test_selective_adam_on_the_gpu_is_torchs_fused_adam_and_a_rows_bits_do_not_depend_on_its_place():
+    """On CUDA `fused_adam_` runs torch's fused kernel on the tensors as they are: every visible row is
+    `torch.optim.Adam(fused=True)`'s bits, and a row updated inside a slice (gathered rows: the owner's update)
+    gets the bits it gets in the whole parameter."""
+    from odin_ns.scene.selective_adam import SelectiveAdam
+
+    g = torch.Generator().manual_seed(8)
+    n = 1003
+    p0, grad = torch.randn(n, 3, generator=g), torch.randn(n, 3, generator=g) * 1e-3
+    ours, ref = torch.nn.Parameter(p0.cuda()), torch.nn.Parameter(p0.cuda())
+    opt = SelectiveAdam([ours], lr=1e-2, eps=1e-15)
+    opt_ref = torch.optim.Adam([ref], lr=1e-2, eps=1e-15, fused=True)
+    for t in range(5):
+        ours.grad, ref.grad = grad.cuda() * (t + 1), grad.cuda() * (t + 1)
+        opt.step()
+        opt_ref.step()
+    assert torch.equal(ours, ref)
+    part = torch.nn.Parameter(p0.cuda())
+    part_opt = SelectiveAdam([part], lr=1e-2, eps=1e-15)
+    rows = torch.arange(5, 998, 3, device="cuda")
+    for t in range(5):
+        part_opt.step_rows(rows, grad.cuda()[rows] * (t + 1))
+    whole = torch.nn.Parameter(p0.cuda())
+    whole_opt = SelectiveAdam([whole], lr=1e-2, eps=1e-15)
+    for t in range(5):
+        whole.grad = grad.cuda() * (t + 1)
+        whole_opt.step()
+    assert torch.equal(part[rows], whole[rows])
+    assert torch.equal(part[:5], p0[:5].cuda())  # rows not touched stay
+
+
 def test_one_rank_trains_on_the_gpu(tmp_path):
     odin_train(1, "odin", CUDA_TRAINING + TINY_CITY, tmp_path / "one")
     state = torch.load(last_checkpoint(tmp_path / "one"), map_location="cpu")
