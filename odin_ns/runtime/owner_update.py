@@ -120,14 +120,10 @@ class OwnerUpdate:
         return place
 
     def _untouched(self, rows: torch.Tensor, n_owned: int) -> torch.Tensor:
-        """The owned rows not in `rows` (ascending, distinct), ascending, without a host read (their number is
-        known): each untouched row's place among them is the running count of untouched rows up to it, less one;
-        a touched row goes to a spare place that is dropped."""
-        n = n_owned - rows.shape[0]
-        untouched = torch.ones(n_owned, dtype=torch.int64, device=self.device).index_fill_(0, rows, 0)
-        place = torch.where(untouched.bool(), untouched.cumsum(0).sub_(1), n)
-        return torch.empty(n + 1, dtype=torch.int64, device=self.device).index_copy_(
-            0, place, torch.arange(n_owned, device=self.device))[:n]
+        """The owned rows not in `rows` (ascending, distinct), ascending, without a host read: their number is
+        known (`nonzero_static`, as the splat path takes the touched rows)."""
+        untouched = torch.ones(n_owned, dtype=torch.bool, device=self.device).index_fill_(0, rows, False)
+        return torch.nonzero_static(untouched, size=n_owned - rows.shape[0]).flatten()
 
     def _add_statistics(self, rows, acc, radii, n_owned) -> None:
         """gsplat's DefaultStrategy statistics of the touched rows: the sum of the views' screen-space gradient
