@@ -182,7 +182,8 @@ class SelectiveAdam(torch.optim.Optimizer):
         0 / 0, the coefficients past `width` are copied aside too and written back."""
         p, m, v, grad, hyper = self._begin_single(grad, None)
         narrow = width is not None and width < p.shape[1]
-        past = [x[:, width:].clone() for x in (p, m, v)] if narrow and hyper[-1] == 0 else []
+        eps = self.param_groups[0]["eps"]
+        past = [x[:, width:].clone() for x in (p, m, v)] if narrow and eps == 0 else []
         n = untouched.shape[0]
         self._saved = [kept_rows(buf, n, p.shape[1:], p.dtype, p.device) for buf in self._saved or [None] * 3]
         saved = [buf[:n] for buf in self._saved]
