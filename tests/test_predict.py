@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from conftest import SHARED_DATA
 from test_schedule_plan import _jitter_plan
@@ -293,3 +294,43 @@ def test_a_projection_made_again_is_priced_at_the_steps_whose_graphs_exceed_the_
     extra = RECOMPUTE_SHARE * gpu.render_per_gaussian_s
     assert again[0] - kept[0] == pytest.approx(extra * 70) and again[1] - kept[1] == pytest.approx(extra * 140)
     assert between == [kept[0], again[1]]
+
+
+def test_each_phase_start_adds_a_ranks_planning_and_the_read_sets_all_gather():
+    """The prediction's phase starts: every rank's clock moves by the phase's planning, as timed, and its all-gather
+    priced on the link as a ring ((ranks - 1) latencies and the bytes from the others); Grendel-GS's model plans
+    nothing."""
+    from odin_ns.schedule.gpu_costs import GPUS, gpu_costs
+    from odin_ns.schedule.links import link
+    from odin_ns.schedule.peer_model import balanced_costs
+    from odin_ns.schedule.simulate import simulate
+
+    plans = [_pairs_plan()]
+    pcie = link("pcie")
+    kwargs = dict(gaussians_read=[1.0] * 4, pixels=[1.0] * 4, counts=[100, 40, 70], scale=1.0, gpu=GPUS["h200"],
+                  link=pcie, data_path="splats")
+    none = gpu_costs(plans, **kwargs)
+    timed = gpu_costs(plans, **kwargs, planning_s=[0.25], gather_bytes=[1e6])
+    assert none.phase_start == [] and timed.phase_start == pytest.approx([0.25 + pcie.latency_s + 1e6 / pcie.bandwidth])
+    assert simulate(plans, timed).wall_s == pytest.approx(simulate(plans, none).wall_s + timed.phase_start[0])
+    assert simulate(plans, timed).busy_s == simulate(plans, none).busy_s
+    assert balanced_costs(timed, 2).phase_start == ()
+
+
+def test_a_ranks_timed_planning_makes_the_plans_one_process_makes():
+    """`plan_timed` plans as rank 0 of several (its own views tested, the others' handed over as the all-gather
+    would): the plans one process testing every view makes, each phase's time and the bytes a rank receives."""
+    from test_shared_read_sets import _scene
+
+    from odin_ns.schedule.phase_planner import PhasePlanner
+    from odin_ns.schedule.planning_time import plan_timed
+    from odin_ns.schedule.views import ViewSchedule
+
+    table, camera = _scene()
+    planner = PhasePlanner(3, 2, ViewSchedule(12, 3, 2, 7), camera)
+    phases = [(0, 4, [0.1 * i for i in range(4)], [0.01 * i for i in range(4)]), (4, 9, (), ())]
+    timed = plan_timed(planner, phases, table)
+    alone = [planner.plan(start, stop, table, motion, growth) for start, stop, motion, growth in phases]
+    assert timed.plans == alone and all(torch.equal(a.read_mask, b.read_mask) for a, b in zip(timed.plans, alone))
+    assert timed.gather_bytes == [2 * 4 * 2 * 5, 2 * 5 * 2 * 5]  # 2 other ranks, steps x 2 views x 40 bits
+    assert len(timed.planning_s) == 2 and all(0.0 < s < 10.0 for s in timed.planning_s)

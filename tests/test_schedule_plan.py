@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -13,6 +14,7 @@ from odin_ns.scene.read_sets import adam_ratio_cap, tight_step_bound
 from odin_ns.scene.selective_adam import SelectiveAdam
 from odin_ns.schedule.odin_order import OdinSchedule
 from odin_ns.schedule.plan import PhasePlan, dependency_pairs
+from odin_ns.schedule.simulate import Costs, simulate
 from odin_ns.schedule.views import ViewSchedule
 
 
@@ -51,6 +53,41 @@ def test_plan_round_trips_through_json():
     plan = small_plan()
     again = PhasePlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan and again.actions_text() == plan.actions_text()
+
+
+def test_a_plans_queries_from_its_read_mask_are_those_of_its_read_lists():
+    # random reads of 3 ranks x 2 views over 12 blocks; each query against sets over the lists, and a plan given
+    # only the mask (as the planner makes them) lists the same reads and answers the same
+    rng = random.Random(3)
+    owner = [rng.randrange(3) for _ in range(12)]
+    reads = [[[sorted(rng.sample(range(12), rng.randrange(0, 6))) for _ in range(2)] for _ in range(3)]
+             for _ in range(5)]
+    views = [[[6 * i + 2 * q, 6 * i + 2 * q + 1] for q in range(3)] for i in range(5)]
+    plan = PhasePlan(start=1, stop=6, num_ranks=3, owner=owner, views=views, reads=reads, staleness=1,
+                     policy_name="throughput", admit_overlap=0.5)
+    masked = PhasePlan(start=1, stop=6, num_ranks=3, owner=owner, views=views, staleness=1,
+                       policy_name="throughput", admit_overlap=0.5, read_mask=plan.read_mask.clone())
+    assert masked.reads is None and masked.all_reads() == reads and masked == plan
+    version = [0] * 12
+    for i, step in enumerate(range(1, 6)):
+        union = [sorted({b for ids in reads[i][q] for b in ids}) for q in range(3)]
+        assert plan.versions()[i] == version == masked.versions()[i]
+        for b in {b for u in union for b in u}:
+            version[b] += 1
+        assert plan.touched(step) == frozenset(b for u in union for b in u) == masked.touched(step)
+        for q in range(3):
+            deps = sorted({owner[b] for b in union[q]} - {q})
+            assert plan.union_reads(step, q) == union[q] == masked.union_reads(step, q)
+            assert plan.deps(step, q) == deps == masked.deps(step, q)
+            assert plan.readers(step, q) == [r for r in range(3) if r != q and any(owner[b] == q for b in union[r])]
+            for r in range(3):
+                assert plan.publish_blocks(step, q, r) == [b for b in union[r] if owner[b] == q]
+    assert masked.actions_text() == plan.actions_text()
+    for policy in ("quality", "barrier", "throughput"):  # every wait has its publication (else: Deadlock)
+        simulate([dataclasses.replace(masked, policy_name=policy)],
+                 Costs(render=lambda v: 1.0, update=0.1, latency=0.0, phase=0.0))
+    with pytest.raises(ValueError):
+        PhasePlan(start=0, stop=1, num_ranks=1, owner=[0], views=[[[0]]])
 
 
 def test_bad_plans_are_refused():

@@ -56,7 +56,7 @@ def _rank(rank, world, results):
                           (rank, lambda rows: all_gather_rows(rows, [rows.shape[0]] * world, log, "phase")))
     alone = planner.plan(3, 8, table, motion, growth)
     distinct = len({tuple(m.tolist()) for m in alone.read_mask.reshape(-1, 40)})
-    results[rank] = (torch.equal(shared.read_mask, alone.read_mask), shared.reads == alone.reads, distinct,
+    results[rank] = (torch.equal(shared.read_mask, alone.read_mask), shared.all_reads() == alone.all_reads(), distinct,
                      shared.read_mask[:, :, :, 5].any().item())
 
 

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 from rich.console import Console
 from rich.table import Table
+import torch
 
 from odin_ns.cli.bench import DEFAULT_FOX, QUIET_RUN, SCENES
 from odin_ns.runtime.projection_memory import GRAPH_ROW_BYTES, keep_budget
@@ -106,7 +107,7 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
         stale = next(plans[p.method] for p in POLICIES.values() if p.stale_reads)
         costs = gpu_costs(preview.plans, preview.gaussians_read, preview.pixels, preview.block_counts, scale,
                           GPUS[gpu], link_named(link), preview.visible, data_path, stale_plans=stale,
-                          keep_budget=budget)
+                          keep_budget=budget, planning_s=preview.planning_s, gather_bytes=preview.gather_bytes)
         views = sum(len(v) for plan in preview.plans for step in plan.views for v in step)
         return preview, plans, costs, scale, views
 
@@ -118,7 +119,9 @@ def predict_scene(scene: str, ranks: int, steps: int, gpu: str, link: str, phase
         p["ideal_speedup"] = pred[BARRIER]["wall_s"] / p["ideal_s"]
     row = {"scene": scene, "ranks": ranks, "gaussians": target, "blocks": len(preview.block_counts),
            "views": preview.num_views, "steps": steps, "micro_batch": micro_batch, "data_path": data_path,
-           "policies": pred, "peak_bytes_per_rank": max(peak), "one_gpu_bytes": ROW_BYTES * 3 * target}
+           "policies": pred, "peak_bytes_per_rank": max(peak), "one_gpu_bytes": ROW_BYTES * 3 * target,
+           "planning_s": sum(preview.planning_s), "phase_start_s": sum(costs.phase_start),
+           "phases": len(preview.plans), "threads": torch.get_num_threads()}
     if peer:
         from odin_ns.schedule.peer_model import balanced_costs
         from odin_ns.schedule.simulate import simulate
@@ -138,8 +141,6 @@ def peak_bytes(plans, costs, scale: float, keep_budget: float = 0.0) -> List[flo
     view, this rank's rows it reads) of the step, kept from P to U where they hold at most `keep_budget` bytes, else
     the graph of the largest pair, which it projects again at its update. On the splat path nothing else: no rank
     holds another rank's rows."""
-    import torch
-
     R = plans[0].num_ranks
     peak = [0.0] * R
     for plan in plans:
@@ -212,6 +213,13 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
           "moments, the step's messages, the graphs of the step's projections it keeps until its update, or, beyond "
           "the kept graphs' budget, the graph of the largest pair it projects again there), and its share of one GPU "
           "holding the whole model with its moments.")
+    for r in rows:
+        if r.get("phases"):
+            print(f"phase starts, {r['ranks']} rank(s), {r['scene']}: a rank's planning "
+                  f"{1000 * r['planning_s'] / r['phases']:.1f} ms a phase (timed here, {r['threads']} thread(s), "
+                  f"one process standing for rank 0), with the read sets' all-gather "
+                  f"{1000 * r['phase_start_s'] / r['phases']:.1f} ms: "
+                  f"{r['phase_start_s'] / r['policies'][BARRIER]['wall_s']:.0%} of odin-barrier's wall")
     if any(r["ranks"] == 1 for r in rows):
         print(f"vs 1 GPU: views/s over the same scene replayed on one rank; the recipe counts views, so this is the "
               f"speed-up in time to the same training. {PEERS}.")

@@ -4,7 +4,8 @@ Gaussians and thousands of views).
 
 It makes what the runtime makes at start-up and at each phase start, with the same functions: blocks cut from the
 points and their owners (`cut_blocks`), the view order (`view_schedule`), then one `PhasePlan` per phase of
-`phase_length` steps from the planner every rank plans with (`PhasePlanner`). The optimizer's motion bound is left
+`phase_length` steps from the planner every rank plans with (`PhasePlanner`), each timed as a rank makes it
+(`planning_time`). The optimizer's motion bound is left
 out (no optimizer runs): read sets are those of the initial model.
 """
 
@@ -17,6 +18,7 @@ import torch
 from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.scene.read_sets import blocks_in_views
 from odin_ns.schedule.phase_planner import NEAR_PLANE, PhasePlanner, view_schedule
+from odin_ns.schedule.planning_time import plan_timed
 from odin_ns.schedule.preview import Preview
 from odin_ns.schedule.visibility import view_gaussians, visible_share
 
@@ -39,11 +41,12 @@ def preview_from_geometry(means: torch.Tensor, scales: torch.Tensor, viewmats: t
     schedule = view_schedule(view_order, lambda: mask, counts, V, ranks, micro_batch, seed,  # one batched test
                              lambda: view_gaussians(visible, counts))
     planner = PhasePlanner(ranks, micro_batch, schedule, cameras.__getitem__)
-    plans = [planner.plan(start, min(start + phase_length, steps), table) for start in range(0, steps, phase_length)]
+    timed = plan_timed(planner, [(start, min(start + phase_length, steps), (), ())
+                                 for start in range(0, steps, phase_length)], table)
     filled = counts > 0
     diag = float(torch.linalg.norm(hi[filled].amax(0) - lo[filled].amin(0))) or 1.0
     extent = [float(torch.linalg.norm(hi[b] - lo[b])) / diag if filled[b] else 0.0 for b in range(len(counts))]
     gaussians = view_gaussians(mask, counts)
-    return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=[pixels or width * height] * V,
-                   block_counts=counts.tolist(), block_extent=extent, num_views=V,
-                   visible=visible)
+    return Preview(ranks=ranks, plans=timed.plans, gaussians_read=gaussians, pixels=[pixels or width * height] * V,
+                   block_counts=counts.tolist(), block_extent=extent, num_views=V, visible=visible,
+                   planning_s=timed.planning_s, gather_bytes=timed.gather_bytes)

@@ -11,7 +11,8 @@ those it reads, 0.71, and a culled Gaussian costs 0.3% of one in view: `python -
 --outside 0.5`, which measures the same on a GPU). An owner's update of a step costs  u0 + u1 * T,  T the rows
 of its blocks that the step's views read (selective Adam on touched rows); every step adds the runtime's own
 launches (about 115-165 tensor operations and 2 host syncs per step by policy, `odin-bench scale`: ~1 ms); a phase
-boundary ~2 ms (a few small collectives).
+boundary ~2 ms (a few small collectives), and at each phase start a rank's planning as this machine times it with
+the read sets' all-gather on the link (`schedule.planning_time`).
 
 Two calibrations:
 - published (default): gsplat's own 30k-step training times on Mip-NeRF 360 (gsplat docs, tests/eval: TITAN
@@ -117,7 +118,8 @@ GPUS: Dict[str, GpuModel] = {m.name: m for m in (
 def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixels: Sequence[float],
               counts: Sequence[int], scale: float, gpu: GpuModel, link: Link,
               visible: Optional[torch.Tensor] = None, data_path: str = "rows",
-              stale_plans: Optional[Sequence[PhasePlan]] = None, keep_budget: float = 0.0) -> Costs:
+              stale_plans: Optional[Sequence[PhasePlan]] = None, keep_budget: float = 0.0,
+              planning_s: Sequence[float] = (), gather_bytes: Sequence[float] = ()) -> Costs:
     """Costs of these plans' steps on `gpu` GPUs joined by `link`, every block's Gaussians times `scale` (the
     plan's points standing for a scene of that many more Gaussians). Messages: a reader's gradients carry the
     rows of the owner's blocks its views see (a G per view: each view its share of the rank's rows of a block, by
@@ -137,7 +139,9 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     would hold more than `keep_budget` bytes (`--pipeline.projection-memory`: 0 recompute, inf keep, auto a share
     of the GPU's memory; the runtime decides projection by projection, with those in flight). `stale_plans`: the
     same phases under throughput-first, whose lists say which reads its lane's publications carry (without:
-    current reads)."""
+    current reads). `planning_s` and `gather_bytes` (per phase, `schedule.planning_time`): a rank's planning at
+    each phase start, as timed, and the read sets it receives in the all-gather, a ring on `link` (every rank
+    receives the others' parts one after another)."""
     if data_path not in DATA_PATHS:
         raise ValueError(f"unknown data path {data_path!r} (choose from {', '.join(DATA_PATHS)})")
     count = torch.as_tensor(counts, dtype=torch.float64)
@@ -219,9 +223,12 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
                 for t in steps if t in owner_at for j in range(n_views[(t, a.peer)])]
 
     mean_update = sum(u for _, _, u, _ in per_step.values()) / max(len(per_step), 1)
+    ranks = plans[0].num_ranks if plans else 1
+    phase_start = [p + ((ranks - 1) * link.latency_s + b / link.bandwidth if ranks > 1 else 0.0)
+                   for p, b in zip(planning_s, gather_bytes)]
     return Costs(render=lambda v: render[v], update=mean_update, latency=link.latency_s, phase=gpu.phase_s,
-                 overhead=gpu.step_overhead_s, bandwidth=link.bandwidth, message_bytes=message_bytes,
-                 message_parts=message_parts, shared_compute=True,
+                 phase_start=phase_start, overhead=gpu.step_overhead_s, bandwidth=link.bandwidth,
+                 message_bytes=message_bytes, message_parts=message_parts, shared_compute=True,
                  measured=lambda step, rank: per_step.get((step, rank)))
 
 

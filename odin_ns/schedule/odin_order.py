@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -77,6 +78,9 @@ class OdinSchedule:
     _strength: List[float] = field(default_factory=list, repr=False, compare=False)
     _prefs: Optional[List[List[int]]] = field(default=None, repr=False, compare=False)
     _slot_cache: Dict[tuple, Dict[int, int]] = field(default_factory=dict, repr=False, compare=False)
+    # seconds spent laying out epochs of a new pattern of places (once per pattern: a start-up cost, which the
+    # prediction's planning times leave out, `schedule.planning_time`)
+    new_pattern_s: float = field(default=0.0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_views < 1:
@@ -132,6 +136,7 @@ class OdinSchedule:
             places[(offset + i) % G] += 1
         key = tuple(places)
         if key not in self._slot_cache:  # the same places, the same slots: made once (epochs cycle through few)
+            started = time.perf_counter()
             strength, prefs = self._regions()
             slot_of: Dict[int, int] = {}
             for v in sorted(range(n), key=lambda v: (-strength[v], v)):
@@ -139,6 +144,7 @@ class OdinSchedule:
                 slot_of[v] = k
                 places[k] -= 1
             self._slot_cache[key] = self._balanced_slots(slot_of)
+            self.new_pattern_s += time.perf_counter() - started
         return self._balanced_steps(self._slot_cache[key], offset, n)
 
     def _regions(self) -> Tuple[List[float], List[List[int]]]:

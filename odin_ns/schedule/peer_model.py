@@ -16,7 +16,8 @@ its closest model with our own pieces:
 An estimate, not a bound: it leaves Grendel-GS's own overheads out (the balancer, the all-to-all's set-up, a
 Gaussian sent to every GPU whose pixels it covers, not once), and it charges what our runtime pays and Grendel-GS
 may not (a phase boundary every `--phase-length` steps, the runtime's own time per step, a gradient message per
-view, an owner's projections made again at its update beyond the memory budget).
+view, an owner's projections made again at its update beyond the memory budget), but not our planning of a
+phase's read sets and lists (`schedule.planning_time`): Grendel-GS plans none.
 """
 
 from __future__ import annotations
@@ -43,4 +44,4 @@ def balanced_costs(costs: Costs, ranks: int) -> Costs:
         views, _, update, overhead = got
         return views, sum(m[1] for m in every) / ranks, update, overhead
 
-    return dataclasses.replace(costs, measured=at)
+    return dataclasses.replace(costs, measured=at, phase_start=())  # no phases to plan

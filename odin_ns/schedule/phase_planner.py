@@ -168,8 +168,9 @@ class PhasePlanner:
         """Every rank derives the same plan of steps [start, stop) from the (synced) block table `table` (owner,
         count, lo, hi, max_scale per block): each view's read set is the blocks whose bounds, inflated by step i's
         `motion` and `growth` (zero where not given), meet its frustum, in one batched test. The plan keeps them as
-        a tensor too (`read_mask[i, q, j, b]`). With `share` = (this rank, an all-gather of one [views, bytes]
-        uint8 tensor per rank) a rank tests only its own views and the ranks exchange the results, bit-packed:
+        a tensor (`read_mask[i, q, j, b]`), each listed where a rank asks for it. With `share` = (this rank, an
+        all-gather of one [views, bytes] uint8 tensor per rank) a rank tests only its own views and the ranks
+        exchange the results, bit-packed:
         every view of the phase at every rank came to 3200 views x 2050 blocks at 64 ranks on the large city,
         3.5 s on two threads and GBs of temporaries at every phase start; the test is per (view, block), so the
         gathered mask is the one every rank would compute."""
@@ -182,30 +183,25 @@ class PhasePlanner:
         else:
             me, gather = share
             if any(len(rank_views) != mb for step_views in views for rank_views in step_views):
-                raise ValueError(f"every rank renders {mb} view(s) a step")
-            mine = [flat[(i * R + me) * mb + j] for i in range(n) for j in range(mb)]
-            parts = gather(pack_bits(self._read_masks(table, mine, motion, growth)))
+                raise ValueError(f"every rank renders {mb} view(s) a step")  # every rank refuses, none gathers
+            parts = gather(self.rank_read_bits(start, stop, table, me, motion, growth))
             nb = len(table.count)
             mask = torch.stack([unpack_bits(p, nb).view(n, mb, nb) for p in parts], dim=1).reshape(n * R * mb, nb)
-        hits = torch.nonzero(mask)
-        per_view = torch.bincount(hits[:, 0], minlength=len(flat)).tolist()
-        ids = hits[:, 1].tolist()
-        reads, k, at = [], 0, 0
-        for _ in range(n):
-            per_step = []
-            for _ in range(R):
-                per_rank = []
-                for _ in range(mb):
-                    per_rank.append(ids[at:at + per_view[k]])
-                    at += per_view[k]
-                    k += 1
-                per_step.append(per_rank)
-            reads.append(per_step)
-        plan = PhasePlan(start=start, stop=stop, num_ranks=R, owner=table.owner.tolist(), views=views, reads=reads,
+        # the reads stay a tensor; each rank lists those it asks for (`PhasePlan.view_reads`)
+        plan = PhasePlan(start=start, stop=stop, num_ranks=R, owner=table.owner.tolist(), views=views,
                          policy_name=self.policy_name, motion=motion, growth=growth, staleness=self.staleness,
-                         admit_overlap=self.admit_overlap, counts=table.count.tolist())
-        plan.read_mask = mask.view(n, R, mb, -1)
+                         admit_overlap=self.admit_overlap, counts=table.count.tolist(),
+                         read_mask=mask.view(n, R, mb, -1))
         return plan
+
+    def rank_read_bits(self, start: int, stop: int, table, rank: int, motion: Sequence[float] = (),
+                       growth: Sequence[float] = ()) -> torch.Tensor:
+        """What `rank` sends in a phase's all-gather: its own views' read sets of steps [start, stop), step by
+        step, bit-packed (uint8 [steps * micro_batch, ceil(blocks / 8)])."""
+        n = stop - start
+        motion, growth = list(motion) or [0.0] * n, list(growth) or [0.0] * n
+        mine = [(i, v) for i in range(n) for v in self.schedule.global_views(start + i)[rank]]
+        return pack_bits(self._read_masks(table, mine, motion, growth))
 
     def _read_masks(self, table, flat: List[Tuple[int, int]], motion: List[float], growth: List[float]
                     ) -> torch.Tensor:

@@ -29,51 +29,68 @@ The plan is plain data: `to_dict` gives JSON, `actions_text` a diffable listing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
 
 from odin_ns.schedule.actions import Action
 
 
-@dataclass
+@dataclass(eq=False)
 class PhasePlan:
     """Steps [start, stop) of one phase on `num_ranks` ranks.
 
     views[i][q]: the view indices rank q renders at step start+i; reads[i][q][j]: ascending block ids of that
-    rank's view j; owner[b]: the rank owning block b for the whole phase; versions count the steps of the phase
-    in which some view read the block (a block nobody reads is not updated, so its version stays)."""
+    rank's view j (None where `read_mask` holds them, as the planner's plans do: `view_reads`, `all_reads`);
+    owner[b]: the rank owning block b for the whole phase; versions count the steps of the phase in which some
+    view read the block (a block nobody reads is not updated, so its version stays). Two plans are equal when
+    their data (`to_dict`) are."""
 
     start: int
     stop: int
     num_ranks: int
     owner: List[int]
     views: List[List[List[int]]]
-    reads: List[List[List[List[int]]]]
+    reads: Optional[List[List[List[List[int]]]]] = None
     policy_name: str = "quality"  # the registry entry (schedule.policies) whose generator makes the lists
     motion: List[float] = field(default_factory=list)  # per step: bound on how far a mean moved since the start
     growth: List[float] = field(default_factory=list)  # per step: bound on how much a log-scale grew since then
     staleness: int = 0  # most versions a read may be behind (0: every read sees the newest, the exact policies)
     admit_overlap: float = 0.0  # the schedule's admission threshold (see `schedule_admits`)
     counts: List[int] = field(default_factory=list)  # Gaussians per block at the phase start (overlap weights)
-    _union: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
-    _deps: List[List[List[int]]] = field(default_factory=list, repr=False, compare=False)
+    # read_mask[i, q, j, b]: the reads as a bool tensor (the planner's test gives it; without, made from `reads`,
+    # a rank's missing slots all False)
+    read_mask: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _memo: Dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop <= self.start:
             raise ValueError("a phase has at least one step")
-        if len(self.views) != self.stop - self.start or len(self.reads) != len(self.views):
+        if self.reads is None and self.read_mask is None:
+            raise ValueError("a plan needs its reads (lists or the read mask)")
+        steps = len(self.reads) if self.reads is not None else self.read_mask.shape[0]
+        if len(self.views) != self.stop - self.start or steps != len(self.views):
             raise ValueError("views and reads need one entry per step of the phase")
         if not self.motion:
             self.motion = [0.0] * len(self.views)
         if not self.growth:
             self.growth = [0.0] * len(self.views)
-        self._union = [[sorted({b for ids in per_rank for b in ids}) for per_rank in step] for step in self.reads]
-        self._deps = [[sorted({self.owner[b] for b in blocks} - {q}) for q, blocks in enumerate(step)]
-                      for step in self._union]
+        if self.read_mask is None:
+            self.read_mask = reads_mask(self.reads, self.num_ranks, len(self.owner))
+        # what the queries below read, as tensors; each answer is made as a list when first asked (every rank plans
+        # every phase, and asks mostly about its own views and its readers: at 64 ranks on the large city, sets
+        # over all 3200 views' reads took 60 ms of a rank's planning on this machine)
+        self._owner = torch.as_tensor(self.owner, dtype=torch.int64)
+        self._union_mask, self._deps_mask = read_structure(self.read_mask, self._owner)
         if not self.counts:
             self.counts = [1] * len(self.owner)
         self._memo = {}  # (dataclasses.replace copies it: a plan with another staleness starts afresh)
-        self._touched = [frozenset(b for blocks in step for b in blocks) for step in self._union]
+
+    def _listed(self, key: tuple, make: Callable[[], object]):
+        """The memo of the query named `key[0]` (each query its own name) for the rest of its key."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -93,20 +110,30 @@ class PhasePlan:
         return self.views[self.index(step)][rank]
 
     def view_reads(self, step: int, rank: int) -> List[List[int]]:
-        return self.reads[self.index(step)][rank]
+        i = self.index(step)
+        if self.reads is not None:
+            return self.reads[i][rank]
+        return self._listed(("reads", i, rank), lambda: [_ids(self.read_mask[i, rank, j])
+                                                          for j in range(len(self.views[i][rank]))])
+
+    def all_reads(self) -> List[List[List[List[int]]]]:
+        """reads[i][q][j] for every step, rank and view (the plan's data)."""
+        return [[self.view_reads(step, q) for q in range(self.num_ranks)] for step in range(self.start, self.stop)]
 
     def union_reads(self, step: int, rank: int) -> List[int]:
         """Ascending block ids any view of `rank` reads at `step`."""
-        return self._union[self.index(step)][rank]
+        i = self.index(step)
+        return self._listed(("union", i, rank), lambda: _ids(self._union_mask[i, rank]))
 
     def deps(self, step: int, rank: int) -> List[int]:
         """Owners (other than `rank`) of the blocks `rank` reads at `step`, ascending."""
-        return self._deps[self.index(step)][rank]
+        i = self.index(step)
+        return self._listed(("deps", i, rank), lambda: _ids(self._deps_mask[i, rank]))
 
     def readers(self, step: int, owner: int) -> List[int]:
         """Ranks (other than `owner`) whose views read some block of `owner` at `step`, ascending."""
         i = self.index(step)
-        return [q for q in range(self.num_ranks) if owner in self._deps[i][q]]
+        return list(self._listed(("step_readers", i, owner), lambda: _ids(self._deps_mask[i, :, owner])))
 
     def view_grad_blocks(self, step: int, reader: int, slot: int, owner: int) -> Tuple[int, ...]:
         """Blocks of `owner` that `reader`'s view in `slot` reads at `step`, ascending (its gradient message's)."""
@@ -114,13 +141,12 @@ class PhasePlan:
 
     def publish_blocks(self, step: int, owner: int, reader: int) -> List[int]:
         """Blocks of `owner` that `reader` reads at `step` (what the publication of step-1 brings it)."""
-        key = ("by_owner", step, reader)
-        if key not in self._memo:  # one pass over the reads per (step, reader), every owner at once
-            by_owner: Dict[int, List[int]] = {}
-            for b in self.union_reads(step, reader):
-                by_owner.setdefault(self.owner[b], []).append(b)
-            self._memo[key] = by_owner
-        return list(self._memo[key].get(owner, ()))
+        i = self.index(step)
+        return list(self._listed(("by_owner", i, owner, reader),
+                                 lambda: _ids(self._union_mask[i, reader] & self._owned_mask(owner))))
+
+    def _owned_mask(self, rank: int) -> torch.Tensor:
+        return self._listed(("owned_mask", rank), lambda: self._owner == rank)
 
     # ---- publications and the schedule's admission (throughput-first) ----------------------------------
 
@@ -130,35 +156,29 @@ class PhasePlan:
 
     def pub_readers(self, update: int, owner: int) -> List[int]:
         """Ranks `owner` publishes update `update` to (start-1: the phase-start state), ascending."""
-        key = ("readers", update, owner)
-        if key not in self._memo:
-            self._memo[key] = sorted({q for t in self.window(update) for q in self.readers(t, owner)})
-        return self._memo[key]
+        return self._listed(("pub_readers", update, owner),
+                            lambda: sorted({q for t in self.window(update) for q in self.readers(t, owner)}))
 
     def pub_blocks(self, update: int, owner: int, reader: int) -> List[int]:
         """Blocks of `owner` in its publication of `update` to `reader`: those `reader` reads in the window."""
-        key = ("blocks", update, owner, reader)
-        if key not in self._memo:
-            self._memo[key] = sorted({b for t in self.window(update) for b in self.publish_blocks(t, owner, reader)})
-        return self._memo[key]
+        return self._listed(("pub_blocks", update, owner, reader), lambda: sorted(
+            {b for t in self.window(update) for b in self.publish_blocks(t, owner, reader)}))
 
     def overlap(self, step: int, reader: int, owner: int, k: int) -> float:
         """Share of the Gaussians `reader` reads at `step` (counted by block) that lie in blocks of `owner` that
         the pending steps step-k .. step-1 update."""
         reads = self.union_reads(step, reader)
         total = sum(self.counts[b] for b in reads)
-        pending = set().union(*(self._touched[self.index(t)] for t in range(max(step - k, self.start), step)))
+        pending = set().union(*(self.touched(t) for t in range(max(step - k, self.start), step)))
         hit = sum(self.counts[b] for b in reads if self.owner[b] == owner and b in pending)
         return hit / total if total else 0.0
 
     def schedule_admits(self, step: int, reader: int, owner: int, k: int) -> bool:
         """May `reader`'s read of `owner`'s blocks at `step` be k versions behind, as far as the plan knows?
         (Kept: the runtime asks again at every read and replay, and the overlap sums over the blocks read.)"""
-        key = ("admits", step, reader, owner, k)
-        if key not in self._memo:
-            self._memo[key] = 1 <= k <= min(self.staleness, step - self.start) and \
-                self.overlap(step, reader, owner, k) <= self.admit_overlap
-        return self._memo[key]
+        return self._listed(("admits", step, reader, owner, k),
+                            lambda: 1 <= k <= min(self.staleness, step - self.start) and
+                            self.overlap(step, reader, owner, k) <= self.admit_overlap)
 
     def next_publication(self, owner: int, reader: int, after: int, until: int) -> int | None:
         """The first update in (after, until] whose publication `owner` sends to `reader` (None: none)."""
@@ -193,24 +213,17 @@ class PhasePlan:
         return pos, tested, True
 
     def owned_blocks(self, rank: int) -> frozenset:
-        key = ("owned", rank)
-        if key not in self._memo:
-            self._memo[key] = frozenset(b for b, o in enumerate(self.owner) if o == rank)
-        return self._memo[key]
+        return self._listed(("owned", rank), lambda: frozenset(b for b, o in enumerate(self.owner) if o == rank))
 
     def touched(self, step: int) -> frozenset:
         """Blocks some view reads at `step` (the owners' update of the step may change them)."""
-        return self._touched[self.index(step)]
+        i = self.index(step)
+        return self._listed(("touched", i), lambda: frozenset(_ids(self._union_mask[i].any(dim=0))))
 
     def versions(self) -> List[List[int]]:
         """versions[i][b]: the version block b must be at when step start+i renders (0 at the phase start)."""
-        current = [0] * self.num_blocks
-        out = []
-        for i in range(len(self.views)):
-            out.append(list(current))
-            for b in {b for blocks in self._union[i] for b in blocks}:
-                current[b] += 1
-        return out
+        read = self._union_mask.any(dim=1).to(torch.int64)  # [steps, blocks]: some view reads it
+        return (torch.cumsum(read, dim=0) - read).tolist()
 
     # ---- the action lists ------------------------------------------------------------------------------
 
@@ -229,10 +242,7 @@ class PhasePlan:
         """The rank's whole phase as a list of actions, in the order the runtime runs them: the policy's
         generator (`schedule.policies`). Throughput-first lists assume every read the plan admits behind is
         admitted at run time too."""
-        key = ("actions", rank)
-        if key not in self._memo:
-            self._memo[key] = self.policy.generator(self, rank)
-        return list(self._memo[key])
+        return list(self._listed(("actions", rank), lambda: self.policy.generator(self, rank)))
 
     def actions_text(self) -> str:
         lines = []
@@ -248,9 +258,12 @@ class PhasePlan:
 
     def to_dict(self) -> Dict:
         return {"start": self.start, "stop": self.stop, "num_ranks": self.num_ranks, "owner": list(self.owner),
-                "views": self.views, "reads": self.reads, "policy": self.policy_name,
+                "views": self.views, "reads": self.all_reads(), "policy": self.policy_name,
                 "motion": list(self.motion), "growth": list(self.growth), "staleness": self.staleness,
                 "admit_overlap": self.admit_overlap, "counts": list(self.counts)}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PhasePlan) and self.to_dict() == other.to_dict()
 
     @classmethod
     def from_dict(cls, d: Dict) -> "PhasePlan":
@@ -261,6 +274,40 @@ class PhasePlan:
                    motion=list(d.get("motion", [])), growth=list(d.get("growth", [])),
                    staleness=d.get("staleness", 0), admit_overlap=d.get("admit_overlap", 0.0),
                    counts=list(d.get("counts", [])))
+
+
+def reads_mask(reads: List[List[List[List[int]]]], num_ranks: int, num_blocks: int) -> torch.Tensor:
+    """Bool [steps, ranks, most views of a rank, blocks]: `reads` (per step, rank and view, block ids) as a
+    tensor; a rank with fewer views has its last slots empty."""
+    slots = max((len(per_rank) for step in reads for per_rank in step), default=0)
+    mask = torch.zeros((len(reads), num_ranks, slots, num_blocks), dtype=torch.bool)
+    at, ids = [], []
+    for i, step in enumerate(reads):
+        for q, per_rank in enumerate(step):
+            for j, blocks in enumerate(per_rank):
+                at.extend([(i * num_ranks + q) * slots + j] * len(blocks))
+                ids.extend(blocks)
+    if ids:
+        mask.view(-1, num_blocks)[torch.tensor(at, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)] = True
+    return mask
+
+
+def _ids(mask: torch.Tensor) -> List[int]:
+    """The ascending indices of a 1-D bool tensor's True entries."""
+    return torch.nonzero(mask).flatten().tolist()
+
+
+def read_structure(mask: torch.Tensor, owner: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """From `read_mask` [steps, ranks, views, blocks]: [steps, ranks, blocks] the blocks some view of the rank
+    reads (their union), and [steps, ranks, ranks] the owners of those blocks other than the rank itself (its
+    dependencies)."""
+    n, R = mask.shape[:2]
+    union = mask.any(dim=2)
+    hits = torch.nonzero(union)
+    deps = torch.zeros((n, R, R), dtype=torch.bool)
+    deps[hits[:, 0], hits[:, 1], owner[hits[:, 2]]] = True
+    deps[:, torch.arange(R), torch.arange(R)] = False
+    return union, deps
 
 
 def dependency_pairs(plan: PhasePlan) -> Dict[Tuple[int, int], int]:

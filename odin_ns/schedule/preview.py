@@ -10,7 +10,7 @@ optimizer's motion bound of their true step count), so their read sets are what 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -21,6 +21,7 @@ from odin_ns.render.viewmat import view_projection
 from odin_ns.runtime.block_table import cut_blocks
 from odin_ns.schedule.phase_planner import PhasePlanner, PhaseRules, motion_bounds, view_read_masks, view_schedule
 from odin_ns.schedule.plan import PhasePlan
+from odin_ns.schedule.planning_time import plan_timed
 from odin_ns.schedule.policies import POLICIES
 from odin_ns.schedule.visibility import view_gaussians, visible_gaussians, visible_share
 
@@ -40,6 +41,9 @@ class Preview:
     staleness: int = 1  # the run's --pipeline.max-staleness and --pipeline.admit-overlap (throughput-first)
     admit_overlap: float = 1.0
     visible: Optional[torch.Tensor] = None  # [views, blocks]: share of a block's rows in a view (message sizes)
+    # per phase: a rank's planning as this process timed it, and the read sets it receives (`planning_time`)
+    planning_s: List[float] = field(default_factory=list)
+    gather_bytes: List[int] = field(default_factory=list)
 
     def policy_plans(self) -> Dict[str, List[PhasePlan]]:
         """The same views and read sets under each policy of the registry (throughput-first: reads behind
@@ -100,12 +104,12 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     planner = PhasePlanner(ranks, pipe.micro_batch, schedule, projections.__getitem__,
                            policy.program_at(staleness).name, staleness, pipe.admit_overlap if staleness else 0.0)
     optimizers = Optimizers(config.optimizers.copy(), model.get_param_groups())
-    plans, start = [], first_step
+    phases, start = [], first_step
     while start < first_step + steps:
         stop = rules.stop(start)
-        plans.append(planner.plan(start, stop, table, *motion_bounds(optimizers, model.gauss_params, stop - start,
-                                                                     done=start)))
+        phases.append((start, stop, *motion_bounds(optimizers, model.gauss_params, stop - start, done=start)))
         start = stop
+    timed = plan_timed(planner, phases, table)
     gaussians = [float(table.count[m & (table.count > 0)].sum()) for m in masks]
     pixels = [W * H for _, _, W, H in projections]
     filled = table.count > 0
@@ -113,6 +117,7 @@ def build_preview(config, ranks: int, steps: Optional[int] = None, first_step: i
     scene_diag = float(torch.linalg.norm(scene[1] - scene[0])) or 1.0
     extent = [float(torch.linalg.norm(table.hi[b] - table.lo[b])) / scene_diag if filled[b] else 0.0
               for b in range(len(table.count))]
-    return Preview(ranks=ranks, plans=plans, gaussians_read=gaussians, pixels=pixels,
+    return Preview(ranks=ranks, plans=timed.plans, gaussians_read=gaussians, pixels=pixels,
                    block_counts=table.count.tolist(), block_extent=extent, num_views=len(gaussians),
-                   staleness=pipe.max_staleness, admit_overlap=pipe.admit_overlap, visible=visible)
+                   staleness=pipe.max_staleness, admit_overlap=pipe.admit_overlap, visible=visible,
+                   planning_s=timed.planning_s, gather_bytes=timed.gather_bytes)

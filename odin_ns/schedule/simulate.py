@@ -52,6 +52,9 @@ class Costs:
     # throughput-first's lane runs inline, on the rank's own thread (`--pipeline.lane inline`): one processor per
     # rank runs both lanes, an earlier step's update before a render when its gradients are in (`runtime.lane`)
     inline_lane: bool = False
+    # per phase, what its start takes every rank before its first step: its planning and the read sets' all-gather
+    # (`schedule.planning_time`; the prediction's, none elsewhere)
+    phase_start: Sequence[float] = ()
 
     def at(self, step: int, rank: int, views: Tuple[int, ...]) -> Tuple[Optional[float], float, float]:
         """(render of one of the rank's views, or None for the per-view cost; update; overhead) at `step`."""
@@ -315,6 +318,8 @@ def simulate(plans: Sequence[PhasePlan], costs: Costs, actions: Sequence[Dict[in
     R = plans[0].num_ranks
     clocks, busy = [0.0] * R, [0.0] * R
     for i, plan in enumerate(plans):
+        if i < len(costs.phase_start):
+            clocks = [c + costs.phase_start[i] for c in clocks]
         lists = actions[i] if actions else {r: plan.actions(r) for r in range(R)}
         ends = simulate_phase(lists, plan.start, costs, clocks, busy)
         clocks = [max(ends)] * R
