@@ -68,26 +68,37 @@ def test_a_plans_queries_from_its_read_mask_are_those_of_its_read_lists():
     masked = PhasePlan(start=1, stop=6, num_ranks=3, owner=owner, views=views, staleness=1,
                        policy_name="throughput", admit_overlap=0.5, read_mask=plan.read_mask.clone())
     assert masked.reads is None and masked.all_reads() == reads and masked == plan
+    prepared = dataclasses.replace(masked)  # every rank's lists made at once: the same answers
+    for q in range(3):
+        prepared.prepare(q)
     version = [0] * 12
     for i, step in enumerate(range(1, 6)):
         union = [sorted({b for ids in reads[i][q] for b in ids}) for q in range(3)]
         assert plan.versions()[i] == version == masked.versions()[i]
         for b in {b for u in union for b in u}:
             version[b] += 1
-        assert plan.touched(step) == frozenset(b for u in union for b in u) == masked.touched(step)
+        assert plan.touched(step) == frozenset(b for u in union for b in u) == masked.touched(step) \
+            == prepared.touched(step)
         for q in range(3):
             deps = sorted({owner[b] for b in union[q]} - {q})
-            assert plan.union_reads(step, q) == union[q] == masked.union_reads(step, q)
-            assert plan.deps(step, q) == deps == masked.deps(step, q)
-            assert plan.readers(step, q) == [r for r in range(3) if r != q and any(owner[b] == q for b in union[r])]
-            for r in range(3):
-                assert plan.publish_blocks(step, q, r) == [b for b in union[r] if owner[b] == q]
+            readers = [r for r in range(3) if r != q and any(owner[b] == q for b in union[r])]
+            for p in (plan, masked, prepared):
+                assert p.union_reads(step, q) == union[q] and p.deps(step, q) == deps
+                assert p.view_reads(step, q) == reads[i][q]
+                assert p.readers(step, q) == readers
+                for r in range(3):
+                    assert p.publish_blocks(step, q, r) == [b for b in union[r] if owner[b] == q]
     assert masked.actions_text() == plan.actions_text()
     for policy in ("quality", "barrier", "throughput"):  # every wait has its publication (else: Deadlock)
         simulate([dataclasses.replace(masked, policy_name=policy)],
                  Costs(render=lambda v: 1.0, update=0.1, latency=0.0, phase=0.0))
+    assert len([k for k in prepared._memo if k[0] in ("deps", "step_readers", "union", "by_owner")]) == \
+        len([k for k in masked._memo if k[0] in ("deps", "step_readers", "union", "by_owner")])  # none listed twice
     with pytest.raises(ValueError):
         PhasePlan(start=0, stop=1, num_ranks=1, owner=[0], views=[[[0]]])
+    for bad in ([[[[0]], [[0]]]], [[[[1.0]]]], [[[[2]]]], [[[[-1]]]]):  # a rank too many, a float, no such block
+        with pytest.raises(ValueError):
+            PhasePlan(start=0, stop=1, num_ranks=1, owner=[0, 0], views=[[[0]]], reads=bad)
 
 
 def test_bad_plans_are_refused():

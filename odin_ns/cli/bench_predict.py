@@ -217,7 +217,7 @@ def print_rows(rows: List[Dict], gpu: str, link: str, views: int = 30000) -> Non
         if r.get("phases"):
             print(f"phase starts, {r['ranks']} rank(s), {r['scene']}: a rank's planning "
                   f"{1000 * r['planning_s'] / r['phases']:.1f} ms a phase (timed here, {r['threads']} thread(s), "
-                  f"one process standing for rank 0), with the read sets' all-gather "
+                  f"one process standing for a rank), a phase start with the read sets' all-gather "
                   f"{1000 * r['phase_start_s'] / r['phases']:.1f} ms: "
                   f"{r['phase_start_s'] / r['policies'][BARRIER]['wall_s']:.0%} of odin-barrier's wall")
     if any(r["ranks"] == 1 for r in rows):

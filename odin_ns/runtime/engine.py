@@ -187,6 +187,7 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         """Plan the phase (the runtime and the splat path set up for it); `_start_program` starts it once the
         phase-start state is projected for its first reads."""
         self.plan = self._plan_phase(step, optimizers)
+        self.plan.prepare(self.env.rank)  # what the steps ask of the plan, listed here (planning, not step work)
         self.plans_made += 1
         envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
         self.runtime.begin(self.plan, self.table, envelope)

@@ -225,7 +225,7 @@ def gpu_costs(plans: Sequence[PhasePlan], gaussians_read: Sequence[float], pixel
     mean_update = sum(u for _, _, u, _ in per_step.values()) / max(len(per_step), 1)
     ranks = plans[0].num_ranks if plans else 1
     phase_start = [p + ((ranks - 1) * link.latency_s + b / link.bandwidth if ranks > 1 else 0.0)
-                   for p, b in zip(planning_s, gather_bytes)]
+                   for p, b in zip(planning_s, gather_bytes, strict=True)]
     return Costs(render=lambda v: render[v], update=mean_update, latency=link.latency_s, phase=gpu.phase_s,
                  phase_start=phase_start, overhead=gpu.step_overhead_s, bandwidth=link.bandwidth,
                  message_bytes=message_bytes, message_parts=message_parts, shared_compute=True,

@@ -86,6 +86,34 @@ class PhasePlan:
             self.counts = [1] * len(self.owner)
         self._memo = {}  # (dataclasses.replace copies it: a plan with another staleness starts afresh)
 
+    def prepare(self, rank: int) -> None:
+        """List at once what `rank`'s steps ask of the plan, at its phase start (planning, timed as such; no
+        step's operations): every rank's dependencies and readers at every step, the blocks of `rank` that each
+        rank reads, every owner's blocks that `rank` reads, its views' reads, every step's touched blocks and,
+        with reads behind (their overlaps), every rank's union. Each as the query would list it, one `nonzero`
+        per kind for the whole phase."""
+        n, R = self.read_mask.shape[:2]
+        for key, lists in (("deps", _grouped(self._deps_mask)),
+                           ("step_readers", _grouped(self._deps_mask.transpose(1, 2))),
+                           *((("union", _grouped(self._union_mask)),) if self.staleness else ())):
+            for g, ids in enumerate(lists):
+                self._memo.setdefault((key, g // R, g % R), ids)
+        mine = torch.nonzero(self._owner == rank).flatten()
+        for g, ids in enumerate(_grouped(self._union_mask[:, :, mine], mine)):
+            self._memo.setdefault(("by_owner", g // R, rank, g % R), ids)
+        for i, ids in enumerate(_grouped(self._union_mask.any(dim=1))):
+            self._memo.setdefault(("touched", i), frozenset(ids))
+        views = _grouped(self.read_mask[:, rank])  # [steps * slots]
+        slots = self.read_mask.shape[2]
+        for i, union in enumerate(_grouped(self._union_mask[:, rank])):
+            self._memo.setdefault(("union", i, rank), union)
+            self._memo.setdefault(("reads", i, rank), views[i * slots:i * slots + len(self.views[i][rank])])
+            by_owner: Dict[int, List[int]] = {o: [] for o in range(R)}
+            for b in union:  # every owner's blocks this rank reads (a publication's to it)
+                by_owner[self.owner[b]].append(b)
+            for o, ids in by_owner.items():
+                self._memo.setdefault(("by_owner", i, o, rank), ids)
+
     def _listed(self, key: tuple, make: Callable[[], object]):
         """The memo of the query named `key[0]` (each query its own name) for the rest of its key."""
         if key not in self._memo:
@@ -263,7 +291,9 @@ class PhasePlan:
                 "admit_overlap": self.admit_overlap, "counts": list(self.counts)}
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, PhasePlan) and self.to_dict() == other.to_dict()
+        if not isinstance(other, PhasePlan):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
 
     @classmethod
     def from_dict(cls, d: Dict) -> "PhasePlan":
@@ -283,10 +313,15 @@ def reads_mask(reads: List[List[List[List[int]]]], num_ranks: int, num_blocks: i
     mask = torch.zeros((len(reads), num_ranks, slots, num_blocks), dtype=torch.bool)
     at, ids = [], []
     for i, step in enumerate(reads):
+        if len(step) != num_ranks:
+            raise ValueError(f"step {i} of the reads lists {len(step)} ranks, not {num_ranks}")
         for q, per_rank in enumerate(step):
             for j, blocks in enumerate(per_rank):
                 at.extend([(i * num_ranks + q) * slots + j] * len(blocks))
                 ids.extend(blocks)
+    bad = next((b for b in ids if type(b) is not int or not 0 <= b < num_blocks), None)
+    if bad is not None:
+        raise ValueError(f"block id {bad!r} of the reads is not one of the plan's {num_blocks} blocks")
     if ids:
         mask.view(-1, num_blocks)[torch.tensor(at, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)] = True
     return mask
@@ -295,6 +330,20 @@ def reads_mask(reads: List[List[List[List[int]]]], num_ranks: int, num_blocks: i
 def _ids(mask: torch.Tensor) -> List[int]:
     """The ascending indices of a 1-D bool tensor's True entries."""
     return torch.nonzero(mask).flatten().tolist()
+
+
+def _grouped(mask: torch.Tensor, values: Optional[torch.Tensor] = None) -> List[List[int]]:
+    """`_ids` of every row of `mask` [..., L] (rows in row-major order) at once: one `nonzero`; with `values` [L],
+    the values at those indices."""
+    rows = mask.reshape(-1, mask.shape[-1])
+    hits = torch.nonzero(rows)
+    counts = torch.bincount(hits[:, 0], minlength=rows.shape[0]).tolist()
+    found = (hits[:, 1] if values is None else values[hits[:, 1]]).tolist()
+    out, at = [], 0
+    for c in counts:
+        out.append(found[at:at + c])
+        at += c
+    return out
 
 
 def read_structure(mask: torch.Tensor, owner: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
