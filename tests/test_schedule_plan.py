@@ -96,6 +96,10 @@ def test_a_plans_queries_from_its_read_mask_are_those_of_its_read_lists():
         len([k for k in masked._memo if k[0] in ("deps", "step_readers", "union", "by_owner")])  # none listed twice
     with pytest.raises(ValueError):
         PhasePlan(start=0, stop=1, num_ranks=1, owner=[0], views=[[[0]]])
+    idle = PhasePlan(start=0, stop=1, num_ranks=2, owner=[0, 0], views=[[[0], [1]]], reads=[[[[0]], [[0, 1]]]])
+    idle.prepare(1)  # a rank that owns no block: nothing to publish
+    assert idle.publish_blocks(0, 1, 0) == [] and idle.publish_blocks(0, 0, 1) == [0, 1]
+    assert idle.deps(0, 1) == [0] and idle.readers(0, 0) == [1]
     for bad in ([[[[0]], [[0]]]], [[[[1.0]]]], [[[[2]]]], [[[[-1]]]]):  # a rank too many, a float, no such block
         with pytest.raises(ValueError):
             PhasePlan(start=0, stop=1, num_ranks=1, owner=[0, 0], views=[[[0]]], reads=bad)

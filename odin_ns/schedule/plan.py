@@ -28,6 +28,7 @@ The plan is plain data: `to_dict` gives JSON, `actions_text` a diffable listing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -335,7 +336,7 @@ def _ids(mask: torch.Tensor) -> List[int]:
 def _grouped(mask: torch.Tensor, values: Optional[torch.Tensor] = None) -> List[List[int]]:
     """`_ids` of every row of `mask` [..., L] (rows in row-major order) at once: one `nonzero`; with `values` [L],
     the values at those indices."""
-    rows = mask.reshape(-1, mask.shape[-1])
+    rows = mask.reshape(math.prod(mask.shape[:-1]), mask.shape[-1])  # (a row may be empty: a rank owning none)
     hits = torch.nonzero(rows)
     counts = torch.bincount(hits[:, 0], minlength=rows.shape[0]).tolist()
     found = (hits[:, 1] if values is None else values[hits[:, 1]]).tolist()
