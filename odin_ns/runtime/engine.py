@@ -5,7 +5,8 @@ step, their read sets from the block table's bounds inflated by the optimizer's 
 own views in one batched test and the ranks all-gather the results) and takes its own program of the phase from the
 policy registry (`schedule.policies`). The pipeline's seams run the program step by step (`runtime.interpreter`):
 `validate` the actions before the step's renders (the owners' splats in), `render` its views, `publish` what follows
-(the splats' gradients out, the owners' update, the next reads' splats out, odin-barrier's barrier);
+(the splats' gradients out, the owners' update, the next reads' splats out, odin-barrier's barrier; the action
+kinds' handlers are `runtime.action_handlers`);
 throughput-first runs its communication on a lane beside the renders (`runtime.lane`; its decisions
 `runtime.lane_decisions`). What travels is splats (`runtime.splat_path`); the state the handlers share is
 `runtime.rank_runtime`, reads behind are `runtime.admission`; phases are planned by `schedule.phase_planner`; phase
@@ -28,6 +29,7 @@ from nerfstudio.models.splatfacto import num_sh_bases
 
 from odin_ns.render.viewmat import view_projection
 from odin_ns.runtime.block_table import cut_blocks
+from odin_ns.runtime.action_handlers import ActionHandlers
 from odin_ns.runtime.boundary import PhaseBoundary
 from odin_ns.runtime.dist_env import DistEnv
 from odin_ns.runtime.fault_injection import FaultInjection
@@ -52,7 +54,7 @@ from odin_ns.schedule.visibility import visible_gaussians
 SENT_KEY = "odin/lane/gradients-sent/"  # the inline lanes' notes in the job's store (runtime/sent_marks.py)
 
 
-class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
+class OdinEngine(ActionHandlers, PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
     """Owns the distributed state of one rank and runs its training steps: plans each phase, runs the rank's
     program of the phase at the pipeline's seams (validate, render, publish), and the phase boundaries."""
 
@@ -163,14 +165,15 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
 
     # ---- phases ---------------------------------------------------------------------------------------------
 
-    def _plan_phase(self, start: int, optimizers, done: int | None = None) -> PhasePlan:
+    def _plan_phase(self, start: int, optimizers, done: int | None = None) -> Tuple[PhasePlan, float]:
         """The phase that starts at `start`: read sets from the synced table's bounds inflated, step by step, by
         the motion the optimizer can make since the phase started (`schedule.phase_planner`); on several ranks
-        each tests its own views and the ranks all-gather the read sets."""
+        each tests its own views and the ranks all-gather the read sets. (The plan, the seconds the all-gather
+        took: waiting for the other ranks, not this rank's planning.)"""
         stop = self.rules.stop(start)
         motion, growth = motion_bounds(optimizers, self.model.gauss_params, stop - start, done)
         share = None
-        self._gather_s = 0.0  # the read sets' all-gather: waiting for the other ranks, not this rank's planning
+        gathered = [0.0]
         if self.env.distributed:
             ranks = self.env.world_size
 
@@ -179,19 +182,20 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
                 try:
                     return all_gather_rows(rows, [rows.shape[0]] * ranks, self.log, "phase", kind="plan")
                 finally:
-                    self._gather_s += time.perf_counter() - started
+                    gathered[0] += time.perf_counter() - started
             share = (self.env.rank, gather)
-        return self.planner.plan(start, stop, self.table, motion, growth, share)
+        return self.planner.plan(start, stop, self.table, motion, growth, share), gathered[0]
 
-    def _begin_phase(self, step: int, optimizers) -> None:
+    def _begin_phase(self, step: int, optimizers) -> float:
         """Plan the phase (the runtime and the splat path set up for it); `_start_program` starts it once the
-        phase-start state is projected for its first reads."""
-        self.plan = self._plan_phase(step, optimizers)
+        phase-start state is projected for its first reads. The seconds the read sets' all-gather took."""
+        self.plan, gather_s = self._plan_phase(step, optimizers)
         self.plan.prepare(self.env.rank)  # what the steps ask of the plan, listed here (planning, not step work)
         self.plans_made += 1
         envelope = (self.table.lo.clone(), self.table.hi.clone(), self.table.max_scale.clone())
         self.runtime.begin(self.plan, self.table, envelope)
         self.splats.begin(self.plan, self.table, self.runtime.home_start)
+        return gather_s
 
     def _start_program(self, step: int) -> None:
         """The phase's program: the phase-start publications go out with the first step's waits."""
@@ -257,8 +261,8 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
             with self.ops.paused():  # a phase's planning is not a step's work
                 with self.log.waiting("phase"):
                     started = time.perf_counter()
-                    self._begin_phase(step, optimizers)
-                    record.plan_s = time.perf_counter() - started - self._gather_s
+                    gather_s = self._begin_phase(step, optimizers)
+                    record.plan_s = time.perf_counter() - started - gather_s
                 # the phase-start state projected for the reads that take it (render work, as every projection
                 # an owner makes for its readers: throughput-first's reach a step further than the exact ones')
                 self.splats.project_update(step - 1)
@@ -332,47 +336,3 @@ class OdinEngine(PhaseBoundary, WholeModel, ReadSetCheck, LaneDecisions):
         record.misses_handled, runtime.misses_handled = runtime.misses_handled, 0
         record.plan_violations, runtime.plan_violations = runtime.plan_violations, 0
         self.log.end_inside()
-
-    # ---- the handlers of the action kinds: (group, the step's context), inline or on the lane --------------------
-
-    @property
-    def handlers(self) -> Dict:
-        return {"W": self._take, "G": self._send_gradients, "U": self._update, "P": self._publish,
-                "B": lambda group, ctx: self.runtime.barrier()}
-
-    def _take(self, group, ctx: StepContext) -> None:
-        self.runtime.take_current(ctx.step, [a.peer for a in group])
-
-    def _send_gradients(self, group, ctx: StepContext) -> None:
-        self.splats.send_gradients(ctx.step, [(a.slot, a.peer) for a in group])
-        if self.lane is not None and self.lane_mode == "inline" and \
-                group[0].slot in (-1, len(self.plan.rank_views(ctx.step, self.env.rank)) - 1):  # a group: one view
-            self._sent.note(ctx.step)  # the owners' probe: this rank's gradients of the step are out
-
-    def _update(self, group, ctx: StepContext) -> None:
-        self._apply_update(ctx.step, ctx.optimizers)
-        self.runtime.forget_step(ctx.step)
-        self.splats.forget_step(ctx.step)
-
-    def _publish(self, group, ctx) -> None:
-        self.splats.publish(group[0].step, [a.peer for a in group])
-
-    def _apply_update(self, step: int, optimizers) -> None:
-        """U: the owners' update of `step` (the views' splat gradients back through the projections, every
-        contribution in reference order, selective Adam on the touched rows), its learning-rate step, the check of
-        the moved rows for the next step's reads, then every read that takes this version projected."""
-        runtime, plan = self.runtime, self.plan
-        track = step < self.model.strategy.refine_stop_iter
-        readers = plan.readers(step, self.env.rank)
-        if plan.staleness and runtime.channels is not None:
-            runtime.drain(step, readers)  # publications ahead of the gradients on a pair
-        runtime.apply(step, *self.splats.contributions(step, readers), optimizers, track)
-        with self.log.nerfstudio():
-            optimizers.scheduler_step_all(step)
-        if plan.contains(step + 1):
-            params = {n: self.model.gauss_params[n].detach() for n in PARAM_NAMES}
-            self.fault.apply(self, step, params)
-            runtime.check_envelope(step + 1, self._visible)
-            self.splats.project_update(step)
-        else:
-            runtime.settle_evidence()  # the phase's last update: its evidence read on its own
