@@ -1,17 +1,18 @@
-"""Ranks started with different configurations stop with one line naming the odd ranks (real gloo processes)."""
+"""Ranks started with different configurations stop with one line naming the odd ranks (real gloo processes); CPU
+ranks whose kernels run at different vector widths get a warning with the fix."""
 
 from __future__ import annotations
 
 from gloo_ranks import run_ranks
 
-from odin_ns.runtime.config_check import check_same_config
+from odin_ns.runtime.config_check import check_same_config, cpu_kernels, kernels_warning
 from odin_ns.errors import OdinInputError
 
 
-def _rank(rank: int, world: int, results, configs):
+def _rank(rank: int, world: int, results, configs, kernels=None):
     try:
-        check_same_config(configs[rank], rank, world)
-        results[rank] = "same"
+        warning = check_same_config(configs[rank], rank, world, kernels=kernels and kernels[rank])
+        results[rank] = "same" if warning is None else warning
     except OdinInputError as err:
         results[rank] = err.message
 
@@ -30,3 +31,14 @@ def test_a_different_rank_is_named_on_every_rank():
     assert set(results) == {0, 1, 2}
     for message in results.values():
         assert "ranks [2]" in message and "\n" not in message
+
+
+def test_cpu_ranks_whose_kernels_differ_are_told_how_to_make_them_alike():
+    results = run_ranks(_rank, 3, [{"lr": 1.0}] * 3, ["AVX2", "AVX512", "AVX2"])
+    assert results[0] == results[1] == results[2]
+    message = results[0]
+    assert "AVX2 on rank(s) [0, 2]; AVX512 on rank(s) [1]" in message and "ATEN_CPU_CAPABILITY=avx2" in message
+    assert "\n" not in message
+    assert kernels_warning([cpu_kernels()] * 2) is None  # this machine's ranks, as they run here
+    assert "ATEN_CPU_CAPABILITY=default" in kernels_warning(["AVX512", "DEFAULT"])
+    assert "processors of one kind" in kernels_warning(["AVX2", "VSX"])

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 from nerfstudio.utils.rich_utils import CONSOLE
+from rich.markup import escape
 
 from odin_ns.cli.config_union import parse_odin_config
 
@@ -62,7 +63,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     config.set_timestamp()
     if env.distributed:
         config.timestamp = shared_timestamp(config.timestamp)
-        check_same_config(config, env.rank, env.world_size)
+        warning = check_same_config(config, env.rank, env.world_size, config.machine.device_type == "cpu")
+        if warning and env.rank == 0:
+            CONSOLE.print(f"[yellow]odin: warning: {escape(warning)}[/yellow]", soft_wrap=True)
     if env.rank != 0:
         CONSOLE.quiet = True  # rank 0 speaks for the job; errors still reach stderr
     else:
