@@ -3,15 +3,17 @@ ranks whose kernels run at different vector widths get a warning with the fix.""
 
 from __future__ import annotations
 
+import torch
+
 from gloo_ranks import run_ranks
 
 from odin_ns.runtime.config_check import check_same_config, cpu_kernels, kernels_warning
 from odin_ns.errors import OdinInputError
 
 
-def _rank(rank: int, world: int, results, configs, kernels=None):
+def _rank(rank: int, world: int, results, configs, kernels=None, cpu=True):
     try:
-        warning = check_same_config(configs[rank], rank, world, kernels=kernels and kernels[rank])
+        warning = check_same_config(configs[rank], rank, world, cpu=cpu, kernels=kernels and kernels[rank])
         results[rank] = "same" if warning is None else warning
     except OdinInputError as err:
         results[rank] = err.message
@@ -34,11 +36,17 @@ def test_a_different_rank_is_named_on_every_rank():
 
 
 def test_cpu_ranks_whose_kernels_differ_are_told_how_to_make_them_alike():
-    results = run_ranks(_rank, 3, [{"lr": 1.0}] * 3, ["AVX2", "AVX512", "AVX2"])
+    widths = ["x86_64/AVX2/AVX2/", "x86_64/AVX2/AVX512/", "x86_64/AVX2/AVX2/"]  # alike in torch, not in MKL
+    results = run_ranks(_rank, 3, [{"lr": 1.0}] * 3, widths)
     assert results[0] == results[1] == results[2]
     message = results[0]
-    assert "AVX2 on rank(s) [0, 2]; AVX512 on rank(s) [1]" in message and "ATEN_CPU_CAPABILITY=avx2" in message
-    assert "\n" not in message
-    assert kernels_warning([cpu_kernels()] * 2) is None  # this machine's ranks, as they run here
-    assert "ATEN_CPU_CAPABILITY=default" in kernels_warning(["AVX512", "DEFAULT"])
-    assert "processors of one kind" in kernels_warning(["AVX2", "VSX"])
+    assert "(processor AVX2) on rank(s) [0, 2]" in message and "(processor AVX512) on rank(s) [1]" in message
+    assert "ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=AVX2" in message and "\n" not in message
+    assert run_ranks(_rank, 2, [{"lr": 1.0}] * 2, widths[:2], False) == {0: "same", 1: "same"}  # GPU ranks
+    # MKL's set alike on every rank: the processors' widths no longer matter; torch's own widths still do
+    assert kernels_warning(["x86_64/AVX2/AVX2/AVX2", "x86_64/AVX2/AVX512/AVX2"]) is None
+    assert "ATEN_CPU_CAPABILITY=default and MKL_CBWR=COMPATIBLE" in kernels_warning(
+        ["x86_64/AVX512/AVX512/", "x86_64/DEFAULT/AVX512/"])
+    assert "processors of one kind" in kernels_warning(["x86_64/AVX2/AVX2/", "aarch64/DEFAULT/DEFAULT/"])
+    arch, width, widest, _ = cpu_kernels().split("/")  # this process's, as a rank reports it
+    assert width == torch.backends.cpu.get_cpu_capability().replace("NO AVX", "DEFAULT") and arch and widest

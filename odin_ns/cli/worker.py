@@ -61,17 +61,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     check_device(config.machine.device_type)
     env = init_distributed(config.machine.device_type, config.pipeline.dist_timeout_s)
     config.set_timestamp()
+    warning = None
     if env.distributed:
         config.timestamp = shared_timestamp(config.timestamp)
-        warning = check_same_config(config, env.rank, env.world_size, config.machine.device_type == "cpu")
-        if warning and env.rank == 0:
-            CONSOLE.print(f"[yellow]odin: warning: {escape(warning)}[/yellow]", soft_wrap=True)
+        warning = check_same_config(config, env.rank, env.world_size, cpu=config.machine.device_type == "cpu")
     if env.rank != 0:
         CONSOLE.quiet = True  # rank 0 speaks for the job; errors still reach stderr
     else:
         config.print_to_terminal()
         config.save_config()
         CONSOLE.log(f"odin: {env.world_size} rank(s), backend {env.backend}")
+        if warning:  # after the configuration's dump, where it is read
+            CONSOLE.print(f"[yellow]odin: warning: {escape(warning)}[/yellow]", soft_wrap=True)
     try:
         trainer = config.setup(local_rank=env.local_rank, world_size=env.world_size)
         trainer.setup()
