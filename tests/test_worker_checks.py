@@ -36,7 +36,8 @@ def test_a_different_rank_is_named_on_every_rank():
 
 
 def test_cpu_ranks_whose_kernels_differ_are_told_how_to_make_them_alike():
-    widths = ["x86_64/AVX2/AVX2/", "x86_64/AVX2/AVX512/", "x86_64/AVX2/AVX2/"]  # alike in torch, not in MKL
+    # alike in torch, not in MKL
+    widths = [("x86_64", "AVX2", "AVX2", ""), ("x86_64", "AVX2", "AVX512", ""), ("x86_64", "AVX2", "AVX2", "")]
     results = run_ranks(_rank, 3, [{"lr": 1.0}] * 3, widths)
     assert results[0] == results[1] == results[2]
     message = results[0]
@@ -44,9 +45,10 @@ def test_cpu_ranks_whose_kernels_differ_are_told_how_to_make_them_alike():
     assert "ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=AVX2" in message and "\n" not in message
     assert run_ranks(_rank, 2, [{"lr": 1.0}] * 2, widths[:2], False) == {0: "same", 1: "same"}  # GPU ranks
     # MKL's set alike on every rank: the processors' widths no longer matter; torch's own widths still do
-    assert kernels_warning(["x86_64/AVX2/AVX2/AVX2", "x86_64/AVX2/AVX512/AVX2"]) is None
+    assert kernels_warning([("x86_64", "AVX2", "AVX2", "AVX2"), ("x86_64", "AVX2", "AVX512", "AVX2")]) is None
     assert "ATEN_CPU_CAPABILITY=default and MKL_CBWR=COMPATIBLE" in kernels_warning(
-        ["x86_64/AVX512/AVX512/", "x86_64/DEFAULT/AVX512/"])
-    assert "processors of one kind" in kernels_warning(["x86_64/AVX2/AVX2/", "aarch64/DEFAULT/DEFAULT/"])
-    arch, width, widest, _ = cpu_kernels().split("/")  # this process's, as a rank reports it
+        [("x86_64", "AVX512", "AVX512", ""), ("x86_64", "DEFAULT", "AVX512", "")])
+    assert "processors of one kind" in kernels_warning(
+        [("x86_64", "AVX2", "AVX2", ""), ("aarch64", "DEFAULT", "DEFAULT", "")])
+    arch, width, widest, _ = cpu_kernels()  # this process's, as a rank reports it
     assert width == torch.backends.cpu.get_cpu_capability().replace("NO AVX", "DEFAULT") and arch and widest

@@ -177,8 +177,8 @@ class PhasePlanner:
         n, R, mb = stop - start, self.num_ranks, self.micro_batch
         motion, growth = list(motion) or [0.0] * n, list(growth) or [0.0] * n
         views = [self.schedule.global_views(step) for step in range(start, stop)]
-        flat = [(i, v) for i, step_views in enumerate(views) for rank_views in step_views for v in rank_views]
         if share is None:
+            flat = [(i, v) for i, step_views in enumerate(views) for rank_views in step_views for v in rank_views]
             mask = self._read_masks(table, flat, motion, growth)
         else:
             me, gather = share
